@@ -1,0 +1,3 @@
+"""fedskew: federated learning under non-IID data."""
+
+__version__ = "0.1.0"

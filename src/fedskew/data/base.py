@@ -1,0 +1,76 @@
+"""Core data types: an in-memory :class:`Dataset` and the dataset / partitioner registries."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fedskew.registry import Registry
+
+#: name -> ``loader(root: Path, **options) -> Dataset``
+DATASETS: Registry = Registry("dataset")
+#: name -> ``partition(labels, num_clients, seed, *, num_classes, domains, **params) -> list[np.ndarray]``
+PARTITIONERS: Registry = Registry("partition scheme")
+
+DEFAULT_ROOT = Path("~/.cache/fedskew")
+
+
+def resolve_root(root: str | os.PathLike | None = None) -> Path:
+    """The data root: explicit ``data.root``, else ``$FEDSKEW_DATA``, else ``~/.cache/fedskew``."""
+    if root is not None and str(root) != "":
+        return Path(root).expanduser()
+    env = os.environ.get("FEDSKEW_DATA")
+    if env:
+        return Path(env).expanduser()
+    return DEFAULT_ROOT.expanduser()
+
+
+@dataclass
+class Dataset:
+    """A labelled dataset held as tensors, never as per-sample Python objects.
+
+    Images are ``uint8`` tensors ``[N, C, H, W]`` (values 0..255); :meth:`to_float` converts a batch
+    or the whole set to normalised ``float32``. Tabular data may be stored as ``float32`` directly.
+    ``domain_train`` / ``domain_test`` (int64) tag each sample with a domain (feature skew).
+    """
+
+    name: str
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    num_classes: int
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    classes: list[str] | None = None
+    domain_train: Tensor | None = None
+    domain_test: Tensor | None = None
+    domain_names: list[str] | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        """Shape of one sample, e.g. ``(1, 28, 28)``."""
+        return tuple(self.x_train.shape[1:])
+
+    def to_float(self, x: Tensor) -> Tensor:
+        """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``."""
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255.0)
+        else:
+            x = x.float()
+        if x.dim() == 4:
+            mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+            std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+            x = (x - mean) / std
+        return x
+
+    def __repr__(self) -> str:  # keep tensors out of reprs
+        return (
+            f"Dataset({self.name!r}, train={tuple(self.x_train.shape)}, test={tuple(self.x_test.shape)}, "
+            f"classes={self.num_classes})"
+        )

@@ -1,0 +1,27 @@
+"""User-facing errors: one line that names the problem and the allowed values.
+
+The CLI turns any :class:`FedskewError` into that line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FedskewError(ValueError):
+    """Bad input (config, data, request) that the user can fix."""
+
+
+class ConfigError(FedskewError):
+    """An invalid configuration value or key."""
+
+
+class DataError(FedskewError):
+    """Missing, corrupted or unusable data files, or an infeasible partition."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` when a close match exists, else ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

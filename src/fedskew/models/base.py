@@ -1,0 +1,42 @@
+"""Model contract: every model is ``head(features(x))``.
+
+``features(x) -> z`` is the embedding a prototype lives in; ``head(z) -> logits``. Heterogeneous
+variants of one model share the embedding size, so prototypes stay comparable across clients.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from fedskew.registry import Registry
+
+#: name -> ``factory(in_shape: tuple, num_classes: int, **options) -> FedModel``
+MODELS: Registry = Registry("model")
+
+
+class FedModel(nn.Module):
+    """Base class: subclasses define ``features`` and ``head`` (and ``embed_dim``).
+
+    Parameter names of the head start with ``head_prefix`` so that algorithms with personal heads
+    (FedPer, FedRep) can split body and head by name.
+    """
+
+    embed_dim: int
+    head_prefix: str = "classifier."
+
+    def features(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def head(self, z: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+    def is_head(self, name: str) -> bool:
+        """Whether a parameter / state-dict entry belongs to the head."""
+        return name.startswith(self.head_prefix)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
