@@ -64,7 +64,9 @@ class Payload:
         return ok and all(v == v and abs(v) != float("inf") for v in self.scalars.values())
 
 
-def model_tensors(state: Mapping[str, Tensor], keys: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+def model_tensors(
+    state: Mapping[str, Tensor], keys: Callable[[str], bool] | None = None
+) -> dict[str, Tensor]:
     """Prefix model state entries for a payload, optionally keeping only the keys ``keys`` accepts."""
     return {MODEL_PREFIX + k: v.detach() for k, v in state.items() if keys is None or keys(k)}
 
@@ -169,7 +171,9 @@ class Algorithm:
 
     def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
         """FedAvg (McMahan et al. 2017): sample-weighted mean of the uploaded model states."""
-        server["weights"] = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
+        server["weights"] = weighted_average(
+            [u.payload.model_state() for u in uploads], sample_weights(uploads)
+        )
         return server
 
     # ---------------------------------------------------------------- client side
@@ -181,7 +185,9 @@ class Algorithm:
         """Load the weights a client trains from / is evaluated with."""
         load_state(model, payload.model_state())
 
-    def start_local(self, model: nn.Module, payload: Payload, state: State, client: ClientView) -> list[Phase]:
+    def start_local(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+    ) -> list[Phase]:
         """Prepare local training; return the phases the engine's optimizer loop runs."""
         self.load_model(model, payload, state)
         return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)]
@@ -193,7 +199,12 @@ class Algorithm:
         return F.cross_entropy(model(batch.x), batch.y)
 
     def finish_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, scratch: dict,
+        self,
+        model: nn.Module,
+        payload: Payload,
+        state: State,
+        client: ClientView,
+        scratch: dict,
         result: LocalResult,
     ) -> Payload:
         """After training: update ``state`` in place and return the upload."""
@@ -204,7 +215,9 @@ class Algorithm:
         """Load the model a client (or the server, ``state=None``) is evaluated with."""
         self.load_model(model, payload, state)
 
-    def predict(self, model: nn.Module, x: Tensor, payload: Payload, state: State | None) -> dict[str, Tensor]:
+    def predict(
+        self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
+    ) -> dict[str, Tensor]:
         """Named heads of class scores; the first is the primary metric. ``"logits"`` feeds the loss."""
         return {"logits": model(x)}
 

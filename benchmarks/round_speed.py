@@ -1,0 +1,223 @@
+"""Seconds per FedAvg round: the engine against a hand-written tight loop and the common
+DataLoader + deep-copy-per-client loop, with achieved GFLOP/s against two GEMM ceilings measured in the
+same process (a float32 2048^3 ``torch.mm`` and the same GEMM run as a 1x1 convolution).
+
+Workload (issue 3): MNIST, 20 clients, Dirichlet(0.5), 1 local epoch; ``cnn_mnist`` at batch 32 and
+``cnn_fedproto`` at batch 8. Needs MNIST under ``$FEDSKEW_DATA`` (e.g. ``FEDSKEW_DATA=../shared/data``).
+
+    python benchmarks/round_speed.py            # full MNIST (60k samples per round)
+    python benchmarks/round_speed.py --quick    # 10% of MNIST per client, fewer timed rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_data, build_simulation
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def gemm_ceilings(n: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """GFLOP/s of an ``n^3`` float32 GEMM as ``torch.mm`` and as a 1x1 convolution."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    x = a.t().contiguous().view(1, n, n, 1)  # [1, C_in=n, H=n, W=1]: conv computes b @ a^T-shaped GEMM
+    w = b.view(n, n, 1, 1)
+    flops = 2 * n**3
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return flops / min(times) / 1e9
+
+    return best(lambda: torch.mm(a, b)), best(lambda: F.conv2d(x, w))
+
+
+def train_flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward + backward FLOPs of one training step, per sample."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        F.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / x.shape[0]
+
+
+def config(model: str, batch: int, quick: bool) -> dict:
+    return {
+        "seed": 0,
+        "rounds": 1000,
+        "data": {
+            "dataset": "mnist",
+            "num_clients": 20,
+            "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
+        },
+        "model": {"name": model},
+        "algorithm": {"name": "fedavg"},
+        "client": {"epochs": 1, "batch_size": batch, "lr": 0.01, "momentum": 0.5},
+        "eval": {"protocol": "global", "every": 1},
+        "checkpoint": {"every": 0},
+    }
+
+
+def shrink(fd, fraction: float) -> None:
+    """Keep the first ``fraction`` of each client's indices (quick mode)."""
+    fd.train_idx = [idx[: max(2, int(len(idx) * fraction))] for idx in fd.train_idx]
+
+
+def time_engine(sim, rounds: int, evaluate: bool) -> float:
+    sim.eval.every = 1 if evaluate else 10**9
+    sim.rounds = 10**9
+    sim.run_round()  # warm-up
+    t = time.perf_counter()
+    for _ in range(rounds):
+        sim.run_round()
+    return (time.perf_counter() - t) / rounds
+
+
+def time_tight_loop(sim, rounds: int, batch: int, lr: float, momentum: float) -> float:
+    """Tensors in memory, one reused model, weights copied in place, FedAvg by stacking."""
+    model = sim.model_for(0)
+    gstate = {k: v.clone() for k, v in model.state_dict().items()}
+    x_all, y_all = sim.x_train, sim.y_train
+
+    def one_round() -> None:
+        states, sizes = [], []
+        for idx in sim.train_idx:
+            model.load_state_dict(gstate)
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+            model.train()
+            xs, ys = x_all[idx], y_all[idx]
+            perm = torch.randperm(len(idx))
+            for s in range(0, len(idx), batch):
+                b = perm[s : s + batch]
+                loss = F.cross_entropy(model(xs[b]), ys[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            sizes.append(len(idx))
+        w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+        for k in gstate:
+            gstate[k] = sum(wi * s[k].float() for wi, s in zip(w, states, strict=True)).to(gstate[k].dtype)
+
+    one_round()
+    t = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return (time.perf_counter() - t) / rounds
+
+
+def time_dataloader_loop(sim, rounds: int, batch: int, lr: float, momentum: float) -> float:
+    """The common research-code pattern: a DataLoader per client per round and a deep copy of the model."""
+    global_model = sim.model_for(0)
+    x_all, y_all = sim.x_train, sim.y_train
+
+    def one_round() -> None:
+        states, sizes = [], []
+        for idx in sim.train_idx:
+            local = copy.deepcopy(global_model)
+            loader = DataLoader(TensorDataset(x_all[idx], y_all[idx]), batch_size=batch, shuffle=True)
+            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=momentum)
+            local.train()
+            for xb, yb in loader:
+                loss = F.cross_entropy(local(xb), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            states.append(copy.deepcopy(local.state_dict()))
+            sizes.append(len(idx))
+        avg = {
+            k: sum(s[k].float() * n for s, n in zip(states, sizes, strict=True)) / sum(sizes)
+            for k in states[0]
+        }
+        global_model.load_state_dict(avg)
+
+    one_round()
+    t = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return (time.perf_counter() - t) / rounds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="10%% of each client's data, 1 timed round")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 2)
+    torch.manual_seed(0)
+    mm, conv = gemm_ceilings()
+    ceiling = max(mm, conv)
+    print(
+        f"threads={torch.get_num_threads()}  GEMM ceilings: mm {mm:.1f} GFLOP/s, 1x1-conv {conv:.1f} GFLOP/s"
+    )
+    rows = []
+    for model_name, batch in (("cnn_mnist", 32), ("cnn_fedproto", 8)):
+        cfg = build_config(config(model_name, batch, args.quick))
+        fd = build_data(cfg)
+        if args.quick:
+            shrink(fd, 0.1)
+        sim = build_simulation(cfg, fd)
+        samples = sum(len(i) for i in sim.train_idx)
+        m = sim.model_for(0)
+        fps = train_flops_per_sample(m, sim.x_train[:batch], sim.y_train[:batch])
+        variants = {
+            "engine (eval off)": time_engine(sim, rounds, evaluate=False),
+            "engine (eval on)": time_engine(sim, rounds, evaluate=True),
+            "tight loop": time_tight_loop(sim, rounds, batch, 0.01, 0.5),
+            "DataLoader + deepcopy": time_dataloader_loop(sim, rounds, batch, 0.01, 0.5),
+        }
+        for name, spr in variants.items():
+            gflops = fps * samples / spr / 1e9
+            rows.append(
+                {
+                    "model": model_name,
+                    "batch": batch,
+                    "variant": name,
+                    "seconds_per_round": spr,
+                    "samples_per_second": samples / spr,
+                    "gflops": gflops,
+                    "ceiling_fraction": gflops / ceiling,
+                }
+            )
+    header = (
+        f"{'model':<13}{'batch':>6}  {'variant':<24}{'s/round':>9}{'samples/s':>11}{'GFLOP/s':>9}{'ceil':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['model']:<13}{r['batch']:>6}  {r['variant']:<24}{r['seconds_per_round']:>9.3f}"
+            f"{r['samples_per_second']:>11.0f}{r['gflops']:>9.1f}{100 * r['ceiling_fraction']:>8.1f}%"
+        )
+    for model_name in ("cnn_mnist", "cnn_fedproto"):
+        v = {r["variant"]: r["seconds_per_round"] for r in rows if r["model"] == model_name}
+        print(
+            f"{model_name}: engine/tight = {v['engine (eval off)'] / v['tight loop']:.3f} (target <= 1.05); "
+            f"eval on/off = {v['engine (eval on)'] / v['engine (eval off)']:.3f} (target <= 1.15); "
+            f"DataLoader loop/engine = {v['DataLoader + deepcopy'] / v['engine (eval off)']:.2f}x"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / ("round_speed_quick.json" if args.quick else "round_speed.json")
+    out.write_text(
+        json.dumps({"ceilings_gflops": {"mm": mm, "conv1x1": conv}, "rows": rows}, indent=2) + "\n"
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

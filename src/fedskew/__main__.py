@@ -1,0 +1,3 @@
+from fedskew.cli import main
+
+main()

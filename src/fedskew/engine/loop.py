@@ -1,0 +1,312 @@
+"""The round loop. Algorithms never write it; every algorithm runs through this one.
+
+One :class:`Simulation` holds the federated data as tensors on the training device, one reusable model
+instance per architecture, the server state, and per-client state on CPU. A round: sample (pre-drawn
+stream), broadcast, local training (the engine's optimizer over the algorithm's loss), upload (non-finite
+updates rejected), aggregate, and evaluate by the configured protocol every ``eval.every`` rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import (
+    Algorithm,
+    ClientConfig,
+    ClientView,
+    Context,
+    HyperParams,
+    State,
+    Upload,
+)
+from fedskew.data.federated import FederatedData
+from fedskew.engine.evaluation import HeadScores, score, segment_mean, summarize
+from fedskew.engine.local import NonFiniteLoss, run_phases
+from fedskew.engine.sampling import derive_seed, sampling_schedule
+from fedskew.errors import ConfigError
+
+log = logging.getLogger("fedskew.engine")
+
+PROTOCOLS = ("global", "personalized")
+
+
+@dataclass
+class EvalSettings:
+    protocol: str = "global"
+    every: int = 1
+    batch_size: int = 1024
+
+
+@dataclass
+class RoundTimes:
+    train: float = 0.0
+    aggregate: float = 0.0
+    evaluate: float = 0.0
+
+
+@dataclass
+class ClientOutcome:
+    cid: int
+    bytes_down: int
+    upload: Upload | None = None  # None: rejected
+    state: State | None = None  # the client's new state (CPU), committed with the round
+    loss: float = float("nan")
+
+
+@dataclass
+class RoundOutcome:
+    round: int
+    record: dict[str, Any] | None  # metrics record when the round was evaluated
+    rejected: list[int] = field(default_factory=list)
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def tree_to(obj: Any, device: torch.device | str) -> Any:
+    """Move every tensor in a nested dict / list structure to ``device``."""
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: tree_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_to(v, device) for v in obj)
+    return obj
+
+
+class Simulation:
+    """An embedded, single-process federation for one algorithm and one seed."""
+
+    def __init__(
+        self,
+        data: FederatedData,
+        algorithm_cls: type[Algorithm],
+        params: HyperParams,
+        build_model: Callable[[int | None], nn.Module],
+        client: ClientConfig,
+        evaluation: EvalSettings,
+        rounds: int,
+        seed: int,
+        device: str = "cpu",
+        arch_key: Callable[[int | None], Hashable] = lambda cid: None,
+    ) -> None:
+        if evaluation.protocol not in PROTOCOLS:
+            raise ConfigError(f"eval.protocol '{evaluation.protocol}' unknown; valid: {', '.join(PROTOCOLS)}")
+        self.device = torch.device(device)
+        self.data = data
+        self.client_cfg = client
+        self.eval = evaluation
+        self.rounds = rounds
+        self.seed = seed
+        self._build_model = build_model
+        self._arch_key = arch_key
+        self._models: dict[Hashable, nn.Module] = {}
+
+        ds = data.dataset
+        # Training inputs are normalised once and held on the device; clients are index views.
+        self.x_train = ds.to_float(ds.x_train).to(self.device)
+        self.y_train = ds.y_train.to(self.device)
+        self.x_test = ds.x_test.to(self.device)  # raw; converted per evaluation batch
+        self.y_test = ds.y_test.to(self.device)
+        self.train_idx = [t.to(self.device) for t in data.train_idx]
+        self.test_idx = [t.to(self.device) for t in data.test_idx]
+        self.val_idx = [t.to(self.device) for t in (data.val_idx or [])]
+        self.class_counts = data.class_counts()
+        self.num_clients = len(data.train_idx)
+
+        ctx = Context(
+            num_clients=self.num_clients,
+            num_classes=ds.num_classes,
+            in_shape=ds.in_shape,
+            device=self.device,
+            client=client,
+            client_sizes=self.class_counts.sum(1),
+            class_counts=self.class_counts,
+            rounds=rounds,
+            seed=seed,
+            build_model=lambda cid: build_model(cid).to(self.device),
+        )
+        self.algorithm = algorithm_cls(params, ctx)
+        torch.manual_seed(derive_seed(seed, 0xC0FFEE))  # same initial model for every algorithm
+        init_model = self.model_for(None)
+        self.server: State = self.algorithm.init_server(init_model)
+        self.client_states: dict[int, State] = {}
+        self.schedule = sampling_schedule(self.num_clients, client.fraction, rounds, seed)
+        self.round = 0
+        self.history: list[dict[str, Any]] = []
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.times = RoundTimes()
+
+    # ------------------------------------------------------------------ models and state
+    def model_for(self, cid: int | None) -> nn.Module:
+        """The reusable model instance for ``cid``'s architecture (built once)."""
+        key = self._arch_key(cid)
+        if key not in self._models:
+            self._models[key] = self._build_model(cid).to(self.device)
+        return self._models[key]
+
+    def client_state(self, cid: int) -> State:
+        if cid not in self.client_states:
+            self.client_states[cid] = tree_to(self.algorithm.init_client(cid, self.server), "cpu")
+        return self.client_states[cid]
+
+    def client_view(self, cid: int) -> ClientView:
+        idx = self.train_idx[cid]
+        return ClientView(
+            cid=cid, x=self.x_train[idx], y=self.y_train[idx], class_counts=self.class_counts[cid]
+        )
+
+    # ------------------------------------------------------------------ one round
+    def train_client(self, cid: int, round_idx: int) -> ClientOutcome:
+        """Local training of one client in round ``round_idx``; commits nothing to the simulation."""
+        alg = self.algorithm
+        payload = alg.broadcast(self.server, cid)
+        state = tree_to(self.client_state(cid), self.device)
+        model = self.model_for(cid)
+        view = self.client_view(cid)
+        seed = derive_seed(self.seed, round_idx, cid)
+        torch.manual_seed(seed)  # dropout and any in-loss sampling: order-independent
+        gen = torch.Generator().manual_seed(seed)
+        scratch: dict = {}
+        out = ClientOutcome(cid=cid, bytes_down=payload.nbytes())
+        try:
+            phases = alg.start_local(model, payload, state, view)
+            result = run_phases(model, alg, payload, state, view, phases, self.client_cfg, gen, scratch)
+            upload = alg.finish_local(model, payload, state, view, scratch, result)
+        except NonFiniteLoss as err:
+            log.warning("round %d: rejected update: %s", round_idx, err)
+            return out
+        if not upload.is_finite():
+            log.warning("round %d: rejected update of client %d: non-finite values", round_idx, cid)
+            return out
+        out.upload = Upload(cid=cid, num_samples=view.num_samples, payload=upload)
+        out.state = tree_to(state, "cpu")
+        out.loss = result.loss
+        return out
+
+    def run_round(self) -> RoundOutcome:
+        """Run the next round; evaluates when ``round % eval.every == 0`` or at the last round.
+
+        Transactional: the simulation's round, server, client states and counters change only once the
+        round is complete, so an interrupt mid-round leaves a consistent state to checkpoint.
+        """
+        r = self.round + 1
+        t0 = time.perf_counter()
+        outcomes = [self.train_client(cid, r) for cid in self.schedule[r - 1].tolist()]
+        uploads = [o.upload for o in outcomes if o.upload is not None]
+        t1 = time.perf_counter()
+        server = self.algorithm.aggregate(self.server, uploads, r) if uploads else self.server
+        t2 = time.perf_counter()
+        # commit
+        self.server, self.round = server, r
+        for o in outcomes:
+            if o.state is not None:
+                self.client_states[o.cid] = o.state
+        round_up = sum(u.payload.nbytes() for u in uploads)
+        round_down = sum(o.bytes_down for o in outcomes)
+        self.bytes_up += round_up
+        self.bytes_down += round_down
+        rejected = [o.cid for o in outcomes if o.upload is None]
+        record = None
+        if r % self.eval.every == 0 or r == self.rounds:
+            losses = [o.loss for o in outcomes if o.upload is not None]
+            record = {"round": r, **self.evaluate()}
+            record.update(
+                train_loss=float(np.mean(losses)) if losses else float("nan"),
+                bytes_up=self.bytes_up,
+                bytes_down=self.bytes_down,
+                round_bytes_up=round_up,
+                round_bytes_down=round_down,
+                rejected=len(rejected),
+            )
+            record.update(self.algorithm.round_metrics(self.server))
+        t3 = time.perf_counter()
+        self.times.train += t1 - t0
+        self.times.aggregate += t2 - t1
+        self.times.evaluate += t3 - t2
+        if record is not None:
+            record.update(seconds=t3 - t0, seconds_train=t1 - t0, seconds_eval=t3 - t2)
+            self.history.append(record)
+        return RoundOutcome(r, record, rejected)
+
+    # ------------------------------------------------------------------ evaluation
+    def _score(
+        self, cid: int | None, x: Tensor, y: Tensor, to_float: Callable[[Tensor], Tensor]
+    ) -> HeadScores:
+        payload = self.algorithm.broadcast(self.server, cid)
+        state = None if cid is None else tree_to(self.client_state(cid), self.device)
+        model = self.model_for(cid)
+        self.algorithm.load_eval(model, payload, state)
+        return score(self.algorithm, model, payload, state, x, y, self.eval.batch_size, to_float)
+
+    def _evaluate_split(
+        self, x: Tensor, y: Tensor, client_idx: list[Tensor] | None, to_float: Callable[[Tensor], Tensor]
+    ) -> dict[str, float]:
+        """``client_idx=None``: the global protocol on ``(x, y)``; else per-client subsets of ``x``."""
+        if client_idx is None:
+            s = self._score(None, x, y, to_float)
+            heads = list(s.correct)
+            return summarize(
+                {h: c.double().mean().view(1) for h, c in s.correct.items()}, float(s.loss.mean()), heads
+            )
+        sizes = torch.tensor([len(i) for i in client_idx], device=self.device)
+        seg = torch.repeat_interleave(torch.arange(len(client_idx), device=self.device), sizes)
+        if self.algorithm.personalized_eval:
+            parts = [self._score(cid, x[idx], y[idx], to_float) for cid, idx in enumerate(client_idx)]
+            correct = {h: torch.cat([p.correct[h] for p in parts]) for h in parts[0].correct}
+            loss = torch.cat([p.loss for p in parts])
+        else:  # one shared model: score each distinct test sample once, then gather per client
+            uniq, inverse = torch.unique(torch.cat(client_idx), return_inverse=True)
+            s = self._score(0, x[uniq], y[uniq], to_float)
+            correct = {h: c[inverse] for h, c in s.correct.items()}
+            loss = s.loss[inverse]
+        n = len(client_idx)
+        per_client = {h: segment_mean(c, seg, n) for h, c in correct.items()}
+        mean_loss = float(segment_mean(loss, seg, n).mean())
+        return summarize(per_client, mean_loss, list(correct), sizes)
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics of the current server / client states under the configured protocol."""
+        per_client = self.eval.protocol == "personalized"
+        raw = self.data.dataset.to_float
+        out = self._evaluate_split(self.x_test, self.y_test, self.test_idx if per_client else None, raw)
+        if sum(len(v) for v in self.val_idx):
+            # Validation (for best-round selection, never test) lives in the already-normalised training pool.
+            if per_client:
+                val = self._evaluate_split(self.x_train, self.y_train, self.val_idx, _identity)
+            else:
+                idx = torch.cat(self.val_idx)
+                val = self._evaluate_split(self.x_train[idx], self.y_train[idx], None, _identity)
+            out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "server": tree_to(self.server, "cpu"),
+            "clients": self.client_states,
+            "history": self.history,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "times": self.times.__dict__.copy(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.round = int(sd["round"])
+        self.server = tree_to(sd["server"], self.device)
+        self.client_states = sd["clients"]
+        self.history = list(sd["history"])
+        self.bytes_up = int(sd["bytes_up"])
+        self.bytes_down = int(sd["bytes_down"])
+        self.times = RoundTimes(**sd.get("times", {}))

@@ -1,0 +1,268 @@
+"""The experiment config: YAML validated by pydantic, with ``--set dotted.key=value`` overrides.
+
+Stable public keys (ARCHITECTURE.md): ``seed``, ``rounds``, ``data.dataset``, ``data.root``,
+``data.num_clients``, ``data.partition.*``, ``model.name``, ``algorithm.name`` (+ its hyper-parameters),
+``client.epochs``, ``client.batch_size``, ``client.lr``, ``client.momentum``, ``client.weight_decay``,
+``client.fraction``, ``eval.protocol``, ``eval.every``, ``engine.mode``, ``engine.workers``,
+``engine.device``. Every error is one line naming the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fedskew.errors import ConfigError, did_you_mean
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    dataset: str = Field("digits", description="dataset registry name (`fedskew list`)")
+    root: str | None = Field(None, description="data root; default $FEDSKEW_DATA, else ~/.cache/fedskew")
+    options: dict[str, Any] = Field(default_factory=dict, description="dataset loader options")
+    num_clients: int = Field(10, ge=1, description="number of clients")
+    partition: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "iid"}, description="partition scheme: name + its parameters"
+    )
+    test: dict[str, Any] = Field(
+        default_factory=dict, description="per-client test split options (personalized protocol)"
+    )
+    val_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="share of each client's training data held out for validation"
+    )
+
+
+class ModelConfig(BaseModel):
+    """``name`` plus the factory's options; ``per_client`` maps client ranges ("0-6", "7") to options."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("mlp_mpfedcl", description="model registry name")
+    per_client: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description='heterogeneous models: {"0-6": {conv2_channels: 18}, ...}'
+    )
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class AlgorithmConfig(BaseModel):
+    """``name`` plus the algorithm's hyper-parameters (validated by its ``Params``)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("fedavg", description="algorithm registry name")
+
+    def hyper(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ClientSection(_Strict):
+    epochs: int = Field(1, ge=0, description="local epochs per round")
+    batch_size: int = Field(32, ge=1, description="local mini-batch size")
+    lr: float = Field(0.01, gt=0, description="local SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
+    fraction: float = Field(1.0, gt=0, le=1, description="share of clients sampled per round")
+
+
+class EvalSection(_Strict):
+    protocol: Literal["global", "personalized"] = Field("global", description="evaluation protocol")
+    every: int = Field(1, ge=1, description="evaluate every k rounds (and always at the last round)")
+    batch_size: int = Field(1024, ge=1, description="evaluation batch size")
+
+
+class EngineSection(_Strict):
+    mode: Literal["auto", "sequential"] = Field(
+        "auto", description="client execution: auto picks the fastest available (sequential today)"
+    )
+    workers: int = Field(1, ge=1, le=1, description="worker processes (1: in-process)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ValueError("allowed: cpu, cuda, cuda:N, mps")
+        return v
+
+
+class CheckpointSection(_Strict):
+    every: int = Field(5, ge=0, description="write a checkpoint every k rounds (0: only at the end)")
+
+
+class Config(_Strict):
+    name: str | None = Field(None, description="free-form run name")
+    seed: int = Field(0, description="seed: partition, initial model, sampling stream, batches")
+    rounds: int = Field(20, ge=1, description="communication rounds")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    client: ClientSection = Field(default_factory=ClientSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ---------------------------------------------------------------------------- parsing and errors
+def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    cur: Any = model
+    for part in path[:-1]:
+        field = cur.model_fields.get(part) if isinstance(part, str) else None
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        cur = ann
+    return list(cur.model_fields)
+
+
+def _format_validation_error(err: ValidationError, model: type[BaseModel] = Config) -> str:
+    e = err.errors()[0]
+    loc = tuple(e["loc"])
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if e["type"] == "extra_forbidden":
+        allowed = _allowed_keys(model, loc)
+        hint = did_you_mean(str(loc[-1]), allowed)
+        return f"config key '{key}': unknown key{hint}; allowed: {', '.join(allowed)}"
+    msg = e["msg"]
+    if e["type"] == "literal_error":
+        msg = msg.replace("Input should be", "allowed:")
+    return f"config key '{key}': {msg} (got {e.get('input')!r})"
+
+
+def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (numbers, lists, ...)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set '{assignment}': expected key=value, e.g. client.lr=0.05")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set '{assignment}': empty key segment")
+    node = cfg
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set '{key}': '{part}' is not a section")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
+
+
+#: arguments the engine fills in itself; a config may not set them
+_RESERVED = frozenset({"num_classes", "domains"})
+
+
+def _validate_callable_options(fn: Any, options: dict[str, Any], where: str, skip: int = 0) -> None:
+    """Reject options that the keyword-only signature of ``fn`` does not accept (with did-you-mean)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    allowed = [
+        n
+        for n, p in list(sig.parameters.items())[skip:]
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in _RESERVED
+    ]
+    for key in options:
+        if key not in allowed:
+            raise ConfigError(
+                f"config key '{where}.{key}': unknown option{did_you_mean(key, allowed)}; "
+                f"allowed: {', '.join(allowed) or '(none)'}"
+            )
+
+
+def validate_semantics(cfg: Config) -> None:
+    """Checks that need the registries: names exist and options fit the named objects."""
+    from fedskew import algorithms as _algorithms  # noqa: F401  (registers)
+    from fedskew import data as _data  # noqa: F401
+    from fedskew import models as _models  # noqa: F401
+    from fedskew.algorithms.base import ALGORITHMS
+    from fedskew.data.base import DATASETS, PARTITIONERS
+    from fedskew.models.base import MODELS
+
+    DATASETS.get(cfg.data.dataset)
+    part = dict(cfg.data.partition)
+    if "name" not in part:
+        raise ConfigError(
+            f"config key 'data.partition.name' is required; valid: {', '.join(PARTITIONERS.names())}"
+        )
+    scheme = PARTITIONERS.get(part.pop("name"))
+    _validate_callable_options(scheme, {k: v for k, v in part.items()}, "data.partition", skip=3)
+    _validate_callable_options(DATASETS.get(cfg.data.dataset), cfg.data.options, "data.options", skip=1)
+    model_fn = MODELS.get(cfg.model.name)
+    _validate_callable_options(model_fn, cfg.model.options(), "model", skip=2)
+    for rng, opts in cfg.model.per_client.items():
+        parse_client_range(rng)
+        _validate_callable_options(model_fn, opts, f"model.per_client.{rng}", skip=2)
+    alg = ALGORITHMS.get(cfg.algorithm.name)
+    try:
+        alg.Params(**cfg.algorithm.hyper())
+    except ValidationError as err:
+        e = err.errors()[0]
+        key = ".".join(str(p) for p in e["loc"])
+        allowed = list(alg.Params.model_fields)
+        if e["type"] == "extra_forbidden":
+            raise ConfigError(
+                f"config key 'algorithm.{key}': unknown hyper-parameter of '{cfg.algorithm.name}'"
+                f"{did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or '(none)'}"
+            ) from None
+        raise ConfigError(f"config key 'algorithm.{key}': {e['msg']} (got {e.get('input')!r})") from None
+    if cfg.eval.protocol == "global" and getattr(alg, "requires_personalized_eval", False):
+        raise ConfigError(
+            f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
+            "allowed: personalized"
+        )
+
+
+def parse_client_range(spec: str) -> range:
+    """``"3"`` -> range(3, 4); ``"0-6"`` -> range(0, 7)."""
+    try:
+        if "-" in spec:
+            a, b = spec.split("-", 1)
+            return range(int(a), int(b) + 1)
+        return range(int(spec), int(spec) + 1)
+    except ValueError:
+        raise ConfigError(
+            f"config key 'model.per_client.{spec}': expected a client id or range like 0-6"
+        ) from None
+
+
+def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
+    """Validate a raw mapping (+ ``--set`` overrides) into a :class:`Config`; raises ConfigError."""
+    data = copy.deepcopy(raw or {})
+    if not isinstance(data, dict):
+        raise ConfigError("config must be a mapping of sections (seed, rounds, data, model, algorithm, ...)")
+    for assignment in overrides or []:
+        set_dotted(data, assignment)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+    validate_semantics(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config file, apply overrides and validate it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file '{p}': invalid YAML ({str(err).splitlines()[0]})") from None
+    return build_config(raw, overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

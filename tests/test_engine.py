@@ -1,0 +1,210 @@
+"""The engine: paired sampling, byte accounting, non-finite updates, evaluation, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from fedskew.algorithms.base import ALGORITHMS, Algorithm
+from fedskew.engine.sampling import derive_seed, sampling_schedule
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.models.base import count_parameters
+from tests.conftest import digits_config
+
+
+def test_sampling_schedule_is_paired_and_uniform():
+    a = sampling_schedule(100, 0.2, 50, seed=3)
+    b = sampling_schedule(100, 0.2, 50, seed=3)
+    assert a.shape == (50, 20)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, sampling_schedule(100, 0.2, 50, seed=4))
+    assert all(len(set(row)) == 20 for row in a.tolist())
+    counts = np.bincount(a.ravel(), minlength=100)
+    assert counts.min() > 0  # every client gets picked over 50 rounds at 20%
+    full = sampling_schedule(7, 1.0, 3, seed=0)
+    assert full.tolist() == [list(range(7))] * 3
+    assert derive_seed(1, 2, 3) != derive_seed(1, 3, 2)
+
+
+def test_fedavg_bytes_and_record_fields():
+    cfg = build_config(digits_config(rounds=2))
+    summary = run_experiment(cfg)
+    sim_model_bytes = 4 * count_parameters(build_simulation(cfg).model_for(None))
+    # every client downloads and uploads the full model once per round (no buffers in the MLP)
+    assert summary["bytes_down"] == 2 * 5 * sim_model_bytes
+    assert summary["bytes_up"] == summary["bytes_down"]
+    assert 0.0 <= summary["final"]["accuracy"] <= 1.0
+
+
+def test_same_seed_same_metrics_and_partition_shared_by_algorithms():
+    cfg = build_config(digits_config(rounds=2, checkpoint={"every": 0}))
+    s1 = build_simulation(cfg)
+    s2 = build_simulation(build_config(digits_config(rounds=2, algorithm={"name": "fedprox", "mu": 0.1})))
+    assert all(torch.equal(a, b) for a, b in zip(s1.data.train_idx, s2.data.train_idx, strict=True))
+    w1, w2 = s1.server["weights"], s2.server["weights"]
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # identical initial model
+    r1 = [s1.run_round().record for _ in range(2)]
+    s3 = build_simulation(cfg)
+    r3 = [s3.run_round().record for _ in range(2)]
+    for a, b in zip(r1, r3, strict=True):
+        assert a["accuracy"] == b["accuracy"] and a["loss"] == b["loss"]
+
+
+class _NaNOnClientZero(Algorithm):
+    """Test-only algorithm: client 0 produces a non-finite loss."""
+
+    name = "_nan_client0"
+
+    def local_loss(self, model, batch, payload, state, scratch):
+        loss = F.cross_entropy(model(batch.x), batch.y)
+        return loss * float("nan") if self._cid == 0 else loss
+
+    def start_local(self, model, payload, state, client):
+        self._cid = client.cid
+        return super().start_local(model, payload, state, client)
+
+
+def test_non_finite_update_is_rejected_and_round_continues():
+    if "_nan_client0" not in ALGORITHMS:
+        ALGORITHMS.register("_nan_client0")(_NaNOnClientZero)
+    cfg = build_config(digits_config(rounds=2, algorithm={"name": "_nan_client0"}))
+    sim = build_simulation(cfg)
+    before = {k: v.clone() for k, v in sim.server["weights"].items()}
+    rec = sim.run_round().record
+    assert rec["rejected"] == 1
+    assert all(torch.isfinite(v).all() for v in sim.server["weights"].values())
+    assert any(not torch.equal(before[k], sim.server["weights"][k]) for k in before)  # others aggregated
+    assert np.isfinite(rec["accuracy"])
+
+
+def test_personalized_evaluation_matches_direct_computation():
+    cfg = build_config(digits_config(rounds=1, eval={"protocol": "personalized", "every": 1}))
+    sim = build_simulation(cfg)
+    rec = sim.run_round().record
+    model = sim.model_for(None)
+    sim.algorithm.load_eval(model, sim.algorithm.broadcast(sim.server, None), None)
+    model.eval()
+    accs = []
+    with torch.no_grad():
+        for idx in sim.test_idx:
+            x = sim.data.dataset.to_float(sim.x_test[idx])
+            accs.append(float((model(x).argmax(1) == sim.y_test[idx]).float().mean()))
+    assert rec["accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-9)
+    assert rec["accuracy_std"] == pytest.approx(float(np.std(accs)), abs=1e-9)
+
+
+def test_final_round_is_reported_not_best(tmp_path):
+    cfg = build_config(digits_config(rounds=3, data={**digits_config()["data"], "val_fraction": 0.2}))
+    summary = run_experiment(cfg, tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in lines] == [1, 2, 3]
+    assert summary["final"]["accuracy"] == lines[-1]["accuracy"]
+    best = max(lines, key=lambda r: r["val_accuracy"])
+    assert summary["best_val"] == {
+        "round": best["round"],
+        "val_accuracy": best["val_accuracy"],
+        "accuracy": best["accuracy"],
+    }
+
+
+def test_output_folder_is_protected(tmp_path):
+    from fedskew.errors import FedskewError
+
+    cfg = build_config(digits_config(rounds=1))
+    run_experiment(cfg, tmp_path / "r")
+    with pytest.raises(FedskewError, match="--resume or --force"):
+        run_experiment(cfg, tmp_path / "r")
+    run_experiment(cfg, tmp_path / "r", force=True)
+    other = build_config(digits_config(rounds=2))
+    with pytest.raises(FedskewError, match="config differs"):
+        run_experiment(other, tmp_path / "r", resume=True)
+
+
+def _strip_timing(records):
+    return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in records]
+
+
+def test_resume_after_kill_gives_the_same_metrics(tmp_path):
+    """Kill a real `fedskew run` process mid-way, resume it, compare with an uninterrupted run."""
+    cfg = digits_config(rounds=8, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fedskew.cli", "run", str(path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        done = out / "metrics.jsonl"
+        if done.exists() and len(done.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ran = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 3 <= ran < 8, "the run must be killed mid-way"
+    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    resumed = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    straight = build_config(cfg)
+    run_experiment(straight, tmp_path / "straight")
+    expected = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in resumed] == list(range(1, 9))
+    assert _strip_timing(resumed) == _strip_timing(expected)
+    s1 = json.loads((out / "summary.json").read_text())
+    s2 = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert s1["final"] == s2["final"] and s1["bytes_up"] == s2["bytes_up"]
+
+
+def test_cli_bad_input_exits_2(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(digits_config()))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedskew.cli",
+            "run",
+            str(path),
+            "--set",
+            "client.lrr=1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0
+    assert "client.lrr" in res.stderr and "did you mean 'lr'" in res.stderr
+
+
+def test_engine_device_cuda_without_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    from fedskew.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        build_simulation(build_config(digits_config(engine={"device": "cuda"})))
+
+
+def test_checkpoint_is_atomic_and_loadable(tmp_path):
+    cfg = build_config(digits_config(rounds=2))
+    run_experiment(cfg, tmp_path / "r")
+    files = sorted(p.name for p in (tmp_path / "r").iterdir())
+    assert files == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "summary.json"]
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    assert ck["round"] == 2 and len(ck["history"]) == 2
+    assert Path(tmp_path / "r" / "config.yaml").read_text().startswith("name:")
