@@ -202,7 +202,7 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['model']:<13}{r['batch']:>6}  {r['variant']:<24}{r['seconds_per_round']:>9.3f}"
-            f"{r['samples_per_second']:>11.0f}{r['gflops']:>9.1f}{100 * r['ceiling_fraction']:>8.1f}%"
+            f"{r['samples_per_second']:>11.0f}{r['gflops']:>9.1f}{100 * r['ceiling_fraction']:>6.1f}%"
         )
     for model_name in ("cnn_mnist", "cnn_fedproto"):
         v = {r["variant"]: r["seconds_per_round"] for r in rows if r["model"] == model_name}

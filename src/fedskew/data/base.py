@@ -59,10 +59,7 @@ class Dataset:
 
     def to_float(self, x: Tensor) -> Tensor:
         """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``."""
-        if x.dtype == torch.uint8:
-            x = x.float().div_(255.0)
-        else:
-            x = x.float()
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
         if x.dim() == 4:
             mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
             std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)

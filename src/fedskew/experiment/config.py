@@ -159,11 +159,13 @@ def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
         node[parts[-1]] = raw
 
 
-#: arguments the engine fills in itself; a config may not set them
-_RESERVED = frozenset({"num_classes", "domains"})
+#: partitioner arguments the engine fills in itself; a config may not set them
+_PARTITION_RESERVED = frozenset({"num_classes", "domains"})
 
 
-def _validate_callable_options(fn: Any, options: dict[str, Any], where: str, skip: int = 0) -> None:
+def _validate_callable_options(
+    fn: Any, options: dict[str, Any], where: str, skip: int = 0, reserved: frozenset[str] = frozenset()
+) -> None:
     """Reject options that the keyword-only signature of ``fn`` does not accept (with did-you-mean)."""
     sig = inspect.signature(fn)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
@@ -171,7 +173,7 @@ def _validate_callable_options(fn: Any, options: dict[str, Any], where: str, ski
     allowed = [
         n
         for n, p in list(sig.parameters.items())[skip:]
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in _RESERVED
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in reserved
     ]
     for key in options:
         if key not in allowed:
@@ -197,7 +199,7 @@ def validate_semantics(cfg: Config) -> None:
             f"config key 'data.partition.name' is required; valid: {', '.join(PARTITIONERS.names())}"
         )
     scheme = PARTITIONERS.get(part.pop("name"))
-    _validate_callable_options(scheme, {k: v for k, v in part.items()}, "data.partition", skip=3)
+    _validate_callable_options(scheme, part, "data.partition", skip=3, reserved=_PARTITION_RESERVED)
     _validate_callable_options(DATASETS.get(cfg.data.dataset), cfg.data.options, "data.options", skip=1)
     model_fn = MODELS.get(cfg.model.name)
     _validate_callable_options(model_fn, cfg.model.options(), "model", skip=2)
