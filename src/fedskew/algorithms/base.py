@@ -67,8 +67,11 @@ class Payload:
 def model_tensors(
     state: Mapping[str, Tensor], keys: Callable[[str], bool] | None = None
 ) -> dict[str, Tensor]:
-    """Prefix model state entries for a payload, optionally keeping only the keys ``keys`` accepts."""
-    return {MODEL_PREFIX + k: v.detach() for k, v in state.items() if keys is None or keys(k)}
+    """Prefix (cloned) model state entries for a payload, optionally keeping only the keys ``keys`` accepts.
+
+    Cloned: the engine reuses one model instance across clients, so an upload must not alias it.
+    """
+    return {MODEL_PREFIX + k: v.detach().clone() for k, v in state.items() if keys is None or keys(k)}
 
 
 @dataclass
@@ -155,6 +158,8 @@ class Algorithm:
     Params: ClassVar[type[HyperParams]] = HyperParams
     #: the model used to evaluate a client depends on the client (personal models, local heads, ...)
     personalized_eval: ClassVar[bool] = False
+    #: there is no global model (``local``): the config must ask for ``eval.protocol=personalized``
+    requires_personalized_eval: ClassVar[bool] = False
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params

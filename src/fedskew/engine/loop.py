@@ -267,7 +267,7 @@ class Simulation:
             loss = torch.cat([p.loss for p in parts])
         else:  # one shared model: score each distinct test sample once, then gather per client
             uniq, inverse = torch.unique(torch.cat(client_idx), return_inverse=True)
-            s = self._score(0, x[uniq], y[uniq], to_float)
+            s = self._score(None, x[uniq], y[uniq], to_float)
             correct = {h: c[inverse] for h, c in s.correct.items()}
             loss = s.loss[inverse]
         n = len(client_idx)

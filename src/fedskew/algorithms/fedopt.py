@@ -1,0 +1,187 @@
+"""Server-side optimizers over the FedAvg pseudo-gradient: FedAvgM, FedAdagrad, FedAdam, FedYogi.
+
+Reddi et al. 2021, "Adaptive Federated Optimization" (ICLR), Alg. 2 (no bias correction): clients run local
+SGD as in FedAvg; the server treats the sample-weighted change of the model as a pseudo-gradient
+
+    Δ_t = Σ_k p_k w_k − w_t,          p_k = n_k / Σ_j n_j,
+
+and updates ``m_t = β1 m_{t−1} + (1 − β1) Δ_t``, a method-specific second moment ``v_t`` and
+``w_{t+1} = w_t + η m_t / (√v_t + τ)``, with ``m_{−1} = 0`` and ``v_{−1} = τ²`` (Alg. 2 requires
+``v_{−1} ≥ τ²``; we take the smallest allowed value).
+
+FedAvgM (Hsu, Qi, Brown 2019, "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
+Classification", §3): server momentum ``v ← β v + Δ_t``, ``w ← w + η v`` (η = 1, β = 0 is FedAvg).
+
+Only trainable parameters go through the optimizer; buffers (BatchNorm running statistics, counters) are
+taken from the plain sample-weighted average: they are statistics, not iterates of an optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    HyperParams,
+    State,
+    Upload,
+    sample_weights,
+    weighted_average,
+)
+
+
+class ServerOptimizer(Algorithm):
+    """Shared aggregation: FedAvg's weighted mean, then one server-optimizer step on the parameters.
+
+    Subclasses name their per-parameter slots (``slots``, the first holds every parameter name), give each
+    slot's initial value (:meth:`init_slot`) and the step (:meth:`server_step`). Slot ``s`` of parameter
+    ``n`` lives in ``server[s][n]``.
+    """
+
+    slots: ClassVar[tuple[str, ...]] = ("m",)
+
+    def init_slot(self, slot: str, param: Tensor) -> Tensor:
+        return torch.zeros_like(param)
+
+    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        """Return the new slot values and the update added to the parameter."""
+        raise NotImplementedError
+
+    def init_server(self, model: nn.Module) -> State:
+        server = super().init_server(model)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        for slot in self.slots:
+            server[slot] = {n: self.init_slot(slot, p) for n, p in params.items()}
+        return server
+
+    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+        avg = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
+        weights = server["weights"]
+        new = dict(avg)  # buffers: the plain weighted average
+        for name in server[self.slots[0]]:  # the parameter names
+            slots, update = self.server_step(
+                {s: server[s][name] for s in self.slots}, avg[name] - weights[name]
+            )
+            for s, value in slots.items():
+                server[s][name] = value
+            new[name] = weights[name] + update
+        server["weights"] = new
+        return server
+
+
+# ------------------------------------------------------------------------------------------------ FedAvgM
+@ALGORITHMS.register("fedavgm")
+class FedAvgM(ServerOptimizer):
+    """FedAvgM (Hsu et al. 2019): server momentum on the FedAvg pseudo-gradient."""
+
+    name = "fedavgm"
+    slots = ("m",)
+
+    class Params(HyperParams):
+        server_lr: float = Field(
+            1.0,
+            gt=0.0,
+            description="server learning rate η (source: Hsu et al. 2019 §3; η=1 keeps FedAvg's step)",
+        )
+        momentum: float = Field(
+            0.9,
+            ge=0.0,
+            lt=1.0,
+            description="server momentum β (source: Hsu et al. 2019 §3; Reddi et al. 2021 use 0.9)",
+        )
+
+    p: Params
+
+    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        m = self.p.momentum * slots["m"] + delta  # Hsu et al.: v ← βv + Δw (no dampening)
+        return {"m": m}, self.p.server_lr * m
+
+
+# ------------------------------------------------------------------------------------------------ adaptive
+class AdaptiveParams(HyperParams):
+    server_lr: float = Field(
+        1e-2,
+        gt=0.0,
+        description="server learning rate η (source: Reddi et al. 2021 §5, tuned on a grid; "
+        "FedEnt spec recommends 1e-2, tune in {1e-3, 1e-2, 1e-1})",
+    )
+    beta1: float = Field(
+        0.9,
+        ge=0.0,
+        lt=1.0,
+        description="first-moment decay β1 (source: Reddi et al. 2021 §5; FedEnt Table III)",
+    )
+    tau: float = Field(
+        1e-3,
+        gt=0.0,
+        description="adaptivity τ (source: Reddi et al. 2021 Alg. 2; 1e-3 as in FedEnt Table III)",
+    )
+
+
+class AdamParams(AdaptiveParams):
+    beta2: float = Field(
+        0.99,
+        ge=0.0,
+        lt=1.0,
+        description="second-moment decay β2 (source: Reddi et al. 2021 §5; FedEnt Table III)",
+    )
+
+
+class AdaptiveServerOptimizer(ServerOptimizer):
+    """Reddi et al. 2021 Alg. 2: ``m`` with β1, a method-specific ``v``, step ``η m / (√v + τ)``."""
+
+    slots = ("m", "v")
+    p: AdaptiveParams
+
+    def init_slot(self, slot: str, param: Tensor) -> Tensor:
+        initial = {"m": 0.0, "v": self.p.tau**2}  # m_{−1} = 0, v_{−1} = τ²
+        return torch.full_like(param, initial[slot])
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        m = self.p.beta1 * slots["m"] + (1.0 - self.p.beta1) * delta
+        v = self.second_moment(slots["v"], delta * delta)
+        return {"m": m, "v": v}, self.p.server_lr * m / (v.sqrt() + self.p.tau)
+
+
+@ALGORITHMS.register("fedadagrad")
+class FedAdagrad(AdaptiveServerOptimizer):
+    """FedAdagrad (Reddi et al. 2021): server Adagrad on the FedAvg pseudo-gradient."""
+
+    name = "fedadagrad"
+    Params = AdaptiveParams
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        return v + delta_sq  # v_t = v_{t−1} + Δ_t²
+
+
+@ALGORITHMS.register("fedadam")
+class FedAdam(AdaptiveServerOptimizer):
+    """FedAdam (Reddi et al. 2021): server Adam (no bias correction) on the FedAvg pseudo-gradient."""
+
+    name = "fedadam"
+    Params = AdamParams
+    p: AdamParams
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        return self.p.beta2 * v + (1.0 - self.p.beta2) * delta_sq  # v_t = β2 v_{t−1} + (1 − β2) Δ_t²
+
+
+@ALGORITHMS.register("fedyogi")
+class FedYogi(AdaptiveServerOptimizer):
+    """FedYogi (Reddi et al. 2021): server Yogi on the FedAvg pseudo-gradient."""
+
+    name = "fedyogi"
+    Params = AdamParams
+    p: AdamParams
+
+    def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
+        # v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²): additive, so v cannot collapse as Adam's can
+        return v - (1.0 - self.p.beta2) * delta_sq * torch.sign(v - delta_sq)

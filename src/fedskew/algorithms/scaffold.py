@@ -1,0 +1,113 @@
+"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh 2020, "SCAFFOLD: Stochastic Controlled Averaging
+for Federated Learning", ICML), Algorithm 1 with option II.
+
+Client i receives (x, c), sets y_i ← x and takes K steps ``y_i ← y_i − η_l (g_i(y_i) − c_i + c)``; we write
+the correction as the loss term ``⟨c − c_i, y⟩`` whose gradient is ``c − c_i``, so the engine's optimizer
+performs exactly that step. Then (option II)
+
+    c_i⁺ = c_i − c + (x − y_i) / (K η_l),      upload Δy_i = y_i − x,  Δc_i = c_i⁺ − c_i,
+
+and the server updates ``x ← x + η_g (1/|S|) Σ Δy_i`` and ``c ← c + (|S|/N) (1/|S|) Σ Δc_i``.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    Batch,
+    ClientView,
+    HyperParams,
+    LocalResult,
+    Payload,
+    State,
+    Upload,
+    weighted_average,
+)
+
+#: payload prefix of control variates (server ``c`` downstream, ``Δc_i`` upstream)
+CONTROL_PREFIX = "control."
+
+
+def _controls(payload: Payload) -> dict[str, Tensor]:
+    n = len(CONTROL_PREFIX)
+    return {k[n:]: v for k, v in payload.tensors.items() if k.startswith(CONTROL_PREFIX)}
+
+
+@ALGORITHMS.register("scaffold")
+class Scaffold(Algorithm):
+    """SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct client drift."""
+
+    name = "scaffold"
+
+    class Params(HyperParams):
+        server_lr: float = Field(
+            1.0, gt=0.0, description="global step size η_g (source: Karimireddy et al. 2020 §7, η_g = 1)"
+        )
+
+    p: Params
+
+    def init_server(self, model: nn.Module) -> State:
+        server = super().init_server(model)
+        server["c"] = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+        return server
+
+    def init_client(self, cid: int, server: State) -> State:
+        return {"c": {n: torch.zeros_like(c) for n, c in server["c"].items()}}
+
+    def broadcast(self, server: State, cid: int | None) -> Payload:
+        payload = super().broadcast(server, cid)
+        if cid is not None:  # the server control variate is sent to training clients (counted in bytes)
+            payload.tensors.update({CONTROL_PREFIX + n: c for n, c in server["c"].items()})
+        return payload
+
+    def local_loss(
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+    ) -> Tensor:
+        loss = super().local_loss(model, batch, payload, state, scratch)
+        if "correction" not in scratch:  # c − c_i, fixed during local training
+            c = _controls(payload)
+            scratch["correction"] = {n: c[n] - ci for n, ci in state["c"].items()}
+        corr = scratch["correction"]
+        terms = [(corr[n] * p).sum() for n, p in model.named_parameters()]
+        return loss + sum(terms[1:], terms[0])
+
+    def finish_local(
+        self,
+        model: nn.Module,
+        payload: Payload,
+        state: State,
+        client: ClientView,
+        scratch: dict,
+        result: LocalResult,
+    ) -> Payload:
+        x, c = payload.model_state(), _controls(payload)
+        y = dict(model.named_parameters())
+        c_old = state["c"]
+        if result.steps > 0:
+            denom = result.steps * result.lr  # K η_l with K the local steps actually taken
+            c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
+        else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
+            c_new = dict(c_old)
+        state["c"] = c_new
+        upload = super().finish_local(model, payload, state, client, scratch, result)
+        # y_i travels as the model state (the same size as Δy_i; the server subtracts x), Δc_i beside it
+        upload.tensors.update({CONTROL_PREFIX + n: c_new[n] - c_old[n] for n in c_old})
+        return upload
+
+    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+        x = server["weights"]
+        n = len(uploads)
+        uniform = torch.full((n,), 1.0 / n)  # the paper averages uniformly over the sampled set S
+        mean_y = weighted_average([u.payload.model_state() for u in uploads], uniform)
+        mean_dc = weighted_average([_controls(u.payload) for u in uploads], uniform)
+        new = dict(mean_y)  # buffers: the plain mean over participants
+        for name in server["c"]:
+            new[name] = x[name] + self.p.server_lr * (mean_y[name] - x[name])  # x + η_g mean Δy
+            server["c"][name] = server["c"][name] + (n / self.ctx.num_clients) * mean_dc[name]
+        server["weights"] = new
+        return server
