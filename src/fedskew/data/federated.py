@@ -1,0 +1,184 @@
+"""Per-client views of one dataset: :class:`FederatedData` and its builder :func:`build_federated`.
+
+The dataset's tensors are held once; a client is three ``int64`` index tensors (train / validation into the
+training set, test into the test set). The partition depends only on ``(dataset, num_clients, partition,
+seed)``, never on the algorithm, so every method of a comparison trains on the same clients.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedskew.data.base import Dataset
+from fedskew.data.partition import apply_partition, child_seed, client_test_split, validation_split
+from fedskew.errors import ConfigError, DataError, did_you_mean
+
+#: ``client_test_split`` arguments filled in by :func:`build_federated` (not settable under ``data.test``)
+_TEST_RESERVED = frozenset({"num_classes", "train_domains_per_client", "test_domains"})
+#: sub-seed tags: the test and validation draws never share the partition's stream
+_TEST_TAG, _VAL_TAG = 101, 102
+
+
+def personal_test_options() -> list[str]:
+    """Options accepted under ``data.test`` (the keyword options of :func:`client_test_split`)."""
+    params = inspect.signature(client_test_split).parameters.values()
+    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _TEST_RESERVED]
+
+
+def _histogram(labels: Tensor, idx: list[Tensor], num_classes: int) -> Tensor:
+    """``[N, C]`` int64 counts of ``labels[idx[i]]`` (one bincount, no per-client loop)."""
+    n = len(idx)
+    sizes = torch.tensor([len(t) for t in idx], dtype=torch.int64)
+    if n == 0:
+        return torch.zeros(0, num_classes, dtype=torch.int64)
+    flat = torch.cat(idx).to(labels.device)
+    owner = torch.repeat_interleave(torch.arange(n, device=labels.device), sizes.to(labels.device))
+    key = owner * num_classes + labels[flat].long()
+    return torch.bincount(key, minlength=n * num_classes).view(n, num_classes).cpu()
+
+
+@dataclass
+class FederatedData:
+    """A dataset split over clients by index views.
+
+    ``train_idx[i]`` / ``val_idx[i]`` index ``dataset.x_train``; ``test_idx[i]`` indexes ``dataset.x_test``
+    (the client's personalized test split). ``test_info`` says how the test splits were drawn (``disjoint``
+    is False when some class had to be sampled independently per client).
+    """
+
+    dataset: Dataset
+    train_idx: list[Tensor]
+    test_idx: list[Tensor]
+    val_idx: list[Tensor] = field(default_factory=list)
+    partition: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    test_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_idx)
+
+    @property
+    def num_classes(self) -> int:
+        return self.dataset.num_classes
+
+    @property
+    def client_sizes(self) -> Tensor:
+        """``[N]`` int64 training samples per client (validation excluded)."""
+        return torch.tensor([len(t) for t in self.train_idx], dtype=torch.int64)
+
+    def class_counts(self) -> Tensor:
+        """``[N, C]`` int64 training histogram: samples of class c held by client i."""
+        return _histogram(self.dataset.y_train, self.train_idx, self.num_classes)
+
+    def test_class_counts(self) -> Tensor:
+        """``[N, C]`` int64 histogram of the per-client test splits."""
+        return _histogram(self.dataset.y_test, self.test_idx, self.num_classes)
+
+    def summary_table(self, top: int = 3) -> list[dict[str, Any]]:
+        """One row per client: sizes, number of classes, the ``top`` largest classes, domains if any."""
+        counts = self.class_counts()
+        order = torch.argsort(counts, dim=1, descending=True, stable=True)[:, :top]
+        val = [len(v) for v in self.val_idx] if self.val_idx else [0] * self.num_clients
+        doms = self.dataset.domain_train
+        rows = []
+        for i in range(self.num_clients):
+            row: dict[str, Any] = {
+                "client": i,
+                "train": int(counts[i].sum()),
+                "val": val[i],
+                "test": len(self.test_idx[i]),
+                "classes": int((counts[i] > 0).sum()),
+                "top_classes": [(int(c), int(counts[i, c])) for c in order[i] if counts[i, c] > 0],
+            }
+            if doms is not None:
+                row["domains"] = torch.unique(doms[self.train_idx[i]]).tolist()
+            rows.append(row)
+        return rows
+
+    def __repr__(self) -> str:
+        sizes = self.client_sizes.tolist() or [0]
+        return (
+            f"FederatedData({self.dataset.name!r}, clients={self.num_clients}, partition={self.partition}, "
+            f"seed={self.seed}, train sizes {min(sizes)}..{max(sizes)})"
+        )
+
+
+def build_federated(
+    dataset: Dataset,
+    num_clients: int,
+    partition: Mapping[str, Any],
+    seed: int,
+    *,
+    test: Mapping[str, Any] | None = None,
+    val_fraction: float = 0.0,
+) -> FederatedData:
+    """Partition ``dataset`` over ``num_clients`` with the scheme ``partition = {"name": ..., **options}``.
+
+    Steps, each with its own sub-seed of ``seed``: the partition (the registered scheme, given
+    ``dataset.domain_train`` as ``domains``); per-client test splits from the test set matching each client's
+    training distribution (``test`` = options of :func:`~fedskew.data.partition.client_test_split`, e.g.
+    ``{"per_class": 40}``; with domain tags on both splits the (domain, class) mix is matched); then
+    ``val_fraction`` of each client's training indices held out for validation. Unknown options raise
+    :class:`ConfigError` with a did-you-mean; a client left without training samples raises
+    :class:`DataError`.
+    """
+    if num_clients < 1:
+        raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
+    labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
+    domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
+    parts = apply_partition(
+        partition, labels, num_clients, seed, num_classes=dataset.num_classes, domains=domains
+    )
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        raise DataError(
+            f"partition {dict(partition)} left {len(empty)} client(s) without training samples ({shown}); "
+            "use fewer clients or a partition option such as min_size"
+        )
+
+    opts = dict(test or {})
+    allowed = personal_test_options()
+    for key in opts:
+        if key not in allowed:
+            raise ConfigError(
+                f"config key 'data.test.{key}': unknown option{did_you_mean(key, allowed)}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+    # match the (domain, class) mix when both splits carry domain tags
+    test_domains = None if dataset.domain_test is None else dataset.domain_test.cpu().numpy()
+    if domains is None or test_domains is None:
+        train_domains, test_domains = None, None
+    else:
+        train_domains = [domains[p] for p in parts]
+    test_parts, info = client_test_split(
+        [labels[p] for p in parts],
+        dataset.y_test.cpu().numpy(),
+        child_seed(seed, _TEST_TAG),
+        num_classes=dataset.num_classes,
+        train_domains_per_client=train_domains,
+        test_domains=test_domains,
+        **opts,
+    )
+    train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
+
+    def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+
+    return FederatedData(
+        dataset=dataset,
+        train_idx=tensors(train),
+        test_idx=tensors(test_parts),
+        val_idx=tensors(val),
+        partition=dict(partition),
+        seed=seed,
+        test_info=info,
+    )
