@@ -100,7 +100,7 @@ def test_personalized_evaluation_matches_direct_computation():
     with torch.no_grad():
         for idx in sim.test_idx:
             x = sim.data.dataset.to_float(sim.x_test[idx])
-            accs.append(float((model(x).argmax(1) == sim.y_test[idx]).float().mean()))
+            accs.append(float((model(x).argmax(1) == sim.y_test[idx]).double().mean()))
     assert rec["accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-9)
     assert rec["accuracy_std"] == pytest.approx(float(np.std(accs)), abs=1e-9)
 

@@ -22,7 +22,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated le
 data_app = typer.Typer(no_args_is_help=True, help="Inspect datasets and partitions.")
 app.add_typer(data_app, name="data")
 console = Console()
-err_console = Console(stderr=True)
 
 
 def _registries() -> dict[str, Any]:
@@ -167,10 +166,10 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except FedskewError as err:
-        err_console.print(f"error: {err}", markup=False, highlight=False)
+        print(f"error: {err}", file=sys.stderr)  # one unwrapped line
         sys.exit(2)
     except KeyboardInterrupt:
-        err_console.print("interrupted: progress kept in the checkpoint; continue with --resume")
+        print("interrupted: progress kept in the checkpoint; continue with --resume", file=sys.stderr)
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
