@@ -230,8 +230,11 @@ def resnet18(
     pool_stride: int = 2,
     norm: str = "batch",
 ) -> FedModel:
-    """ResNet-18 (BasicBlock [2,2,2,2]); stem 'cifar' (3x3, no pool) or 'imagenet' (7x7 stride s0 + max-pool
-    stride s1: FedProto's (2,2) and its heterogeneous (1,4) variant, spec fedproto §4.4)."""
+    """ResNet-18 (BasicBlock [2,2,2,2]) with a 'cifar' or 'imagenet' stem; 11,181,642 params (imagenet, 10).
+
+    ``stem='cifar'``: 3x3 conv, no pool. ``stem='imagenet'``: 7x7 conv stride ``conv1_stride`` + max-pool
+    stride ``pool_stride``: FedProto's (2, 2) and its heterogeneous (1, 4) variant (spec fedproto §4.4).
+    """
     _need_rank(in_shape, 3, "resnet18")
     c = in_shape[0]
     stems: dict[str, Callable[[], nn.Module]] = {
