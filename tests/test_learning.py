@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fedskew.data.federated import build_federated
 
 from fedskew.data.base import resolve_root
+from fedskew.data.federated import build_federated
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 from tests.conftest import digits_config, requires_data
@@ -44,7 +44,7 @@ def test_baseline_learns_on_digits(name, hyper, protocol, floor):
 
 @requires_data
 def test_fedavg_learns_mnist_subset():
-    """Real MNIST from FEDSKEW_DATA: FedAvg on 10 clients x 600 samples reaches >= 90% global accuracy in 10 rounds."""
+    """Real MNIST from FEDSKEW_DATA: FedAvg, 10 clients x 600 samples, >= 90% global accuracy in 10 rounds."""
     from fedskew.data.base import DATASETS
 
     ds = DATASETS.get("mnist")(resolve_root(None))
