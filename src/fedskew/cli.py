@@ -110,7 +110,7 @@ def report(
     from fedskew.experiment.report import find_runs, group_runs, markdown_table, plot_accuracy
 
     groups = group_runs(find_runs(list(dirs)))
-    console.print(markdown_table(groups), markup=False, highlight=False)
+    typer.echo(markdown_table(groups))  # plain: markdown must not be wrapped
     path = plot_accuracy(groups, plot or Path("report.png"))
     console.print(f"plot: {path}")
 
@@ -130,7 +130,7 @@ def demo(
         run_with_progress(cfg, out / name, resume=False, force=True, label=name)
     groups = group_runs(find_runs([out / n for n in DEMO_ALGORITHMS]))
     console.print()
-    console.print(markdown_table(groups), markup=False, highlight=False)
+    typer.echo(markdown_table(groups))  # plain: markdown must not be wrapped
     path = plot_accuracy(
         groups, out / "accuracy.png", "digits, Dirichlet(0.3), 10 clients, personalized test"
     )
