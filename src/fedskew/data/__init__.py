@@ -3,7 +3,7 @@
 Importing this package registers every dataset and partition scheme.
 """
 
-from fedskew.data import datasets, partition  # noqa: F401  (registers)
+from fedskew.data import datasets, digit_domains, partition  # noqa: F401  (registers)
 from fedskew.data.base import DATASETS, PARTITIONERS, Dataset, resolve_root
 from fedskew.data.datasets import load_dataset
 from fedskew.data.federated import FederatedData, build_federated

@@ -1,0 +1,73 @@
+"""digit_domains: deterministic, balanced, real digits, and domains that differ in low-level statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from fedskew.data import load_dataset
+from fedskew.errors import ConfigError
+from tests.conftest import requires_data
+
+OFFLINE = {"domains": ["usps_like", "synth_digits"], "train_per_domain": 300, "test_per_domain": 100}
+
+
+def test_offline_domains_shapes_balance_and_ids():
+    ds = load_dataset("digit_domains", **OFFLINE)
+    assert ds.x_train.shape == (600, 3, 28, 28) and ds.x_train.dtype == torch.uint8
+    assert ds.domain_names == ["usps_like", "synth_digits"]
+    assert torch.bincount(ds.domain_train).tolist() == [300, 300]
+    for d in range(2):
+        assert torch.bincount(ds.y_train[ds.domain_train == d], minlength=10).tolist() == [30] * 10
+    assert torch.bincount(ds.domain_test).tolist() == [100, 100]
+
+
+def test_deterministic_per_seed():
+    a = load_dataset("digit_domains", **OFFLINE, seed=3)
+    b = load_dataset("digit_domains", **OFFLINE, seed=3)
+    c = load_dataset("digit_domains", **OFFLINE, seed=4)
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_train, b.y_train)
+    assert not torch.equal(a.x_train, c.x_train)
+
+
+def test_domains_differ_in_low_level_statistics():
+    ds = load_dataset("digit_domains", **OFFLINE)
+    means = [ds.x_train[ds.domain_train == d].float().mean().item() for d in range(2)]
+    colour_spread = [ds.x_train[ds.domain_train == d].float().std((1,)).mean().item() for d in range(2)]
+    assert abs(means[0] - means[1]) > 20  # grey strokes on black vs coloured renders
+    assert colour_spread[0] < 1e-6 < colour_spread[1]  # usps_like is grey, synth_digits is coloured
+
+
+def test_synth_digits_are_real_digits():
+    ds = load_dataset("digit_domains", domains=["synth_digits"], train_per_domain=1000, test_per_domain=300)
+
+    def feats(x):
+        return torch.nn.functional.avg_pool2d(x.float().mean(1, keepdim=True) / 255, 2).flatten(1).numpy()
+
+    # polarity varies (light on dark and dark on light): give the classifier both
+    def both(x):
+        f = feats(x)
+        return np.concatenate([f, np.abs(f - f.mean(1, keepdims=True))], 1)
+
+    clf = LogisticRegression(max_iter=300).fit(both(ds.x_train), ds.y_train.numpy())
+    acc = clf.score(both(ds.x_test), ds.y_test.numpy())
+    assert acc > 0.5, acc  # chance is 0.1
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="unknown domain"):
+        load_dataset("digit_domains", domains=["usps"])
+    with pytest.raises(ConfigError, match=">= 10"):
+        load_dataset("digit_domains", domains=["usps_like"], train_per_domain=5)
+
+
+@requires_data
+def test_mnist_and_mnist_m_from_real_mnist():
+    ds = load_dataset("digit_domains", domains=["mnist", "mnist_m"], train_per_domain=200, test_per_domain=50)
+    m, mm = (ds.x_train[ds.domain_train == d].float() for d in range(2))
+    assert m.std(1).max() == 0  # grey
+    assert mm.std(1).mean() > 5  # coloured photo patches
+    # MNIST-M keeps the MNIST stroke: |patch - digit| differs most from the patch where the digit is bright
+    assert mm.mean() > m.mean()
