@@ -157,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10%% of each client's data, 1 timed round")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    ap.add_argument("--models", nargs="+", default=["cnn_mnist", "cnn_fedproto"], help="workloads to run")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
     torch.manual_seed(0)
@@ -166,7 +167,8 @@ def main() -> None:
         f"threads={torch.get_num_threads()}  GEMM ceilings: mm {mm:.1f} GFLOP/s, 1x1-conv {conv:.1f} GFLOP/s"
     )
     rows = []
-    for model_name, batch in (("cnn_mnist", 32), ("cnn_fedproto", 8)):
+    workloads = [(m, b) for m, b in (("cnn_mnist", 32), ("cnn_fedproto", 8)) if m in args.models]
+    for model_name, batch in workloads:
         cfg = build_config(config(model_name, batch, args.quick))
         fd = build_data(cfg)
         if args.quick:
@@ -204,7 +206,7 @@ def main() -> None:
             f"{r['model']:<13}{r['batch']:>6}  {r['variant']:<24}{r['seconds_per_round']:>9.3f}"
             f"{r['samples_per_second']:>11.0f}{r['gflops']:>9.1f}{100 * r['ceiling_fraction']:>6.1f}%"
         )
-    for model_name in ("cnn_mnist", "cnn_fedproto"):
+    for model_name, _ in workloads:
         v = {r["variant"]: r["seconds_per_round"] for r in rows if r["model"] == model_name}
         print(
             f"{model_name}: engine/tight = {v['engine (eval off)'] / v['tight loop']:.3f} (target <= 1.05); "
@@ -212,7 +214,10 @@ def main() -> None:
             f"DataLoader loop/engine = {v['DataLoader + deepcopy'] / v['engine (eval off)']:.2f}x"
         )
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("round_speed_quick.json" if args.quick else "round_speed.json")
+    suffix = "_quick" if args.quick else ""
+    if len(workloads) == 1:
+        suffix += f"_{workloads[0][0]}"
+    out = RESULTS / f"round_speed{suffix}.json"
     out.write_text(
         json.dumps({"ceilings_gflops": {"mm": mm, "conv1x1": conv}, "rows": rows}, indent=2) + "\n"
     )
