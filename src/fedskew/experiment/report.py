@@ -84,11 +84,13 @@ def _pm(mean: float, std: float) -> str:
 def markdown_table(groups: list[Group]) -> str:
     """Final-round accuracy (%) mean ± std over seeds, and the mean over seeds of the std over clients."""
     rows = [
-        "| run | seeds | rounds | final accuracy (%) | std over clients (%) | loss | MB up | s/run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| algorithm | data | model | seeds | rounds | final accuracy (%) | std over clients (%) | loss "
+        "| MB up | s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
-        acc = _pm(*g.stat("accuracy"))
+        mean, std = g.stat("accuracy")
+        acc = _pm(mean, std) if len(g.runs) > 1 else f"{100 * mean:.2f}"
         client_std = g.stat("accuracy_std")[0]
         loss = g.stat("loss")[0]
         mb = np.mean([r.summary["bytes_up"] for r in g.runs]) / 2**20
