@@ -239,13 +239,21 @@ def sample_weights(uploads: list[Upload]) -> Tensor:
 
 
 def weighted_average(states: list[Mapping[str, Tensor]], weights: Tensor) -> dict[str, Tensor]:
-    """``sum_k w_k * state_k`` for every entry; integer buffers (BatchNorm counters) are rounded back."""
+    """``sum_k w_k * state_k`` for every entry; integer buffers (BatchNorm counters) are rounded back.
+
+    Floating entries accumulate in place in their own dtype (no stacked float64 copy of every model).
+    """
+    w = weights.tolist()
     out: dict[str, Tensor] = {}
     for key, ref in states[0].items():
-        stacked = torch.stack([s[key].to(torch.float64) for s in states])
-        w = weights.to(stacked.device).view(-1, *([1] * ref.dim()))
-        avg = (stacked * w).sum(0)
-        out[key] = avg.round().to(ref.dtype) if not ref.is_floating_point() else avg.to(ref.dtype)
+        if ref.is_floating_point():
+            acc = states[0][key].mul(w[0])
+            for s, wk in zip(states[1:], w[1:], strict=True):
+                acc.add_(s[key], alpha=wk)
+            out[key] = acc
+        else:
+            avg = sum(float(wk) * s[key].double() for s, wk in zip(states, w, strict=True))
+            out[key] = avg.round().to(ref.dtype)
     return out
 
 
