@@ -213,6 +213,8 @@ def main() -> None:
             f"eval on/off = {v['engine (eval on)'] / v['engine (eval off)']:.3f} (target <= 1.15); "
             f"DataLoader loop/engine = {v['DataLoader + deepcopy'] / v['engine (eval off)']:.2f}x"
         )
+    if args.quick:
+        print("quick mode: training cut to 10% per client, 10k test set kept: eval on/off not representative")
     RESULTS.mkdir(exist_ok=True)
     suffix = "_quick" if args.quick else ""
     if len(workloads) == 1:
