@@ -36,12 +36,14 @@ OFFLINE_DOMAINS = ("usps_like", "synth_digits")
 
 
 def _stratified(labels: Tensor, per_class: int, rng: np.random.Generator) -> np.ndarray:
-    """``per_class`` indices of each class (with replacement only if a class is too small)."""
+    """``per_class`` indices of each class; a class too small is used whole before any index repeats."""
     y = labels.numpy()
     out = []
-    for c in range(10):
+    for c in range(10):  # ten classes, not a per-sample loop
         pool = np.flatnonzero(y == c)
-        out.append(rng.choice(pool, per_class, replace=len(pool) < per_class))
+        # whole shuffled copies of the pool: drawing with replacement would leave ~1/4 of the images unused
+        reps = -(-per_class // len(pool))
+        out.append(np.concatenate([rng.permutation(pool) for _ in range(reps)])[:per_class])
     return np.concatenate(out)
 
 
@@ -77,7 +79,13 @@ def _to_uint8(x: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------- domains
 def _mnist_split(root: Path, train: bool) -> tuple[Tensor, Tensor]:
-    ds = DATASETS.get("mnist")(root)
+    try:
+        ds = DATASETS.get("mnist")(root)
+    except DataError as err:
+        raise DataError(
+            f"digit_domains: domains 'mnist' and 'mnist_m' need MNIST ({err}); without it ask only for "
+            f"domains={list(OFFLINE_DOMAINS)}"
+        ) from None
     return (ds.x_train, ds.y_train) if train else (ds.x_test, ds.y_test)
 
 
