@@ -382,6 +382,7 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
 
 # ---------------------------------------------------------------------------------------------- Local
 def test_local_sends_nothing_and_keeps_personal_weights(ctx: Context) -> None:
+    ctx.initial_model = lambda cid: const_model(1.0)  # the run's initial model (built by the engine)
     alg = make("local", ctx)
     assert alg.personalized_eval
     init = const_model(1.0)

@@ -1,6 +1,17 @@
 """Algorithms: one module per method; importing this package registers them all."""
 
-from fedskew.algorithms import fedavg, feddyn, fedopt, fedprox, local, moon, scaffold  # noqa: F401
+from fedskew.algorithms import (  # noqa: F401
+    fedavg,
+    feddyn,
+    fedopt,
+    fedper,
+    fedproto,
+    fedprox,
+    fedrep,
+    local,
+    moon,
+    scaffold,
+)
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, HyperParams, Payload
 
 __all__ = ["ALGORITHMS", "Algorithm", "HyperParams", "Payload"]

@@ -51,8 +51,13 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors.values()) + 8 * len(self.scalars)
 
     def num_floats(self) -> int:
-        """Number of communicated values (the unit of the papers' communication tables)."""
+        """Number of communicated values, integer metadata included."""
         return sum(t.numel() for t in self.tensors.values()) + len(self.scalars)
+
+    def num_params(self) -> int:
+        """Communicated floating-point tensor values: the papers' "# communicated parameters" (class ids and
+        sample counts sent as integer tensors are metadata and not counted)."""
+        return sum(t.numel() for t in self.tensors.values() if t.is_floating_point())
 
     def model_state(self) -> dict[str, Tensor]:
         """The model entries, with :data:`MODEL_PREFIX` stripped."""
@@ -100,6 +105,14 @@ class Context:
     rounds: int
     seed: int
     build_model: Callable[[int | None], nn.Module]  # build_model(cid) -> fresh model (None: the global one)
+    #: initial_model(cid) -> the run's deterministic initial model in client cid's architecture (the global
+    #: initial model itself when the architectures match). None: fall back to ``build_model``.
+    initial_model: Callable[[int | None], nn.Module] | None = None
+
+    def initial_state(self, cid: int | None) -> dict[str, Tensor]:
+        """A fresh copy of the initial weights of ``cid``'s model (personal models start here)."""
+        build = self.initial_model or self.build_model
+        return {k: v.detach().clone() for k, v in build(cid).state_dict().items()}
 
 
 @dataclass

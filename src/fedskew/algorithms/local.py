@@ -40,8 +40,8 @@ class Local(Algorithm):
         return server  # nothing was received; ``server["weights"]`` stays the initial model
 
     def init_client(self, cid: int, server: State) -> State:
-        # The common initial model (same for every algorithm and seed), copied so clients never alias it.
-        return {"weights": {k: v.detach().clone() for k, v in server["weights"].items()}}
+        # The run's initial model in this client's architecture (the common one when homogeneous).
+        return {"weights": self.ctx.initial_state(cid)}
 
     def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
         if state is None:

@@ -36,6 +36,7 @@ from fedskew.errors import ConfigError
 log = logging.getLogger("fedskew.engine")
 
 PROTOCOLS = ("global", "personalized")
+INIT_KEY = 0xC0FFEE  # seed key of the initial model
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RoundTimes:
 class ClientOutcome:
     cid: int
     bytes_down: int
+    params_down: int = 0
     upload: Upload | None = None  # None: rejected
     state: State | None = None  # the client's new state (CPU), committed with the round
     loss: float = float("nan")
@@ -134,9 +136,10 @@ class Simulation:
             rounds=rounds,
             seed=seed,
             build_model=lambda cid: build_model(cid).to(self.device),
+            initial_model=self._initial_model,
         )
         self.algorithm = algorithm_cls(params, ctx)
-        torch.manual_seed(derive_seed(seed, 0xC0FFEE))  # same initial model for every algorithm
+        torch.manual_seed(derive_seed(seed, INIT_KEY))  # same initial model for every algorithm
         init_model = self.model_for(None)
         self.server: State = self.algorithm.init_server(init_model)
         self.client_states: dict[int, State] = {}
@@ -148,6 +151,13 @@ class Simulation:
         self.times = RoundTimes()
 
     # ------------------------------------------------------------------ models and state
+    def _initial_model(self, cid: int | None) -> nn.Module:
+        """A new model of ``cid``'s architecture with the run's initial weights: built from the seed of the
+        global initial model, so a client whose architecture matches starts from exactly that model."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, INIT_KEY))
+            return self._build_model(cid).to(self.device)
+
     def model_for(self, cid: int | None) -> nn.Module:
         """The reusable model instance for ``cid``'s architecture (built once)."""
         key = self._arch_key(cid)
@@ -178,7 +188,7 @@ class Simulation:
         torch.manual_seed(seed)  # dropout and any in-loss sampling: order-independent
         gen = torch.Generator().manual_seed(seed)
         scratch: dict = {}
-        out = ClientOutcome(cid=cid, bytes_down=payload.nbytes())
+        out = ClientOutcome(cid=cid, bytes_down=payload.nbytes(), params_down=payload.num_params())
         try:
             phases = alg.start_local(model, payload, state, view)
             result = run_phases(model, alg, payload, state, view, phases, self.client_cfg, gen, scratch)
@@ -227,6 +237,8 @@ class Simulation:
                 bytes_down=self.bytes_down,
                 round_bytes_up=round_up,
                 round_bytes_down=round_down,
+                round_params_up=sum(u.payload.num_params() for u in uploads),
+                round_params_down=sum(o.params_down for o in outcomes),
                 rejected=len(rejected),
             )
             record.update(self.algorithm.round_metrics(self.server))

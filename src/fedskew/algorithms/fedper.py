@@ -1,0 +1,107 @@
+"""FedPer (Arivazhagan et al. 2019, "Federated Learning with Personalization Layers").
+
+The model is split into *base* layers, trained by every client and averaged by the server as in FedAvg, and
+*personalization* layers that never leave the client. A client trains base and personal layers together on
+cross-entropy; it is evaluated with the received base and its own personal layers.
+
+``personal`` chooses the split:
+
+* ``head``: the classifier (the model's ``classifier.*`` parameters), FedPer's usual setting;
+* ``linear``: every fully connected layer, the convolutional layers shared — the split of the FedProto
+  authors' helper (``fc*`` personal) that matches their Table 1 count of 20 × 5,280 communicated parameters on
+  MNIST (spec fedproto §4.7, §5.2).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+from torch import nn
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    ClientView,
+    HyperParams,
+    LocalResult,
+    Payload,
+    State,
+    load_state,
+    model_tensors,
+)
+from fedskew.errors import ConfigError
+
+PERSONAL_SPLITS = ("head", "linear")
+
+
+def personal_names(model: nn.Module, split: str) -> set[str]:
+    """State-dict names of the personal layers of ``model`` under ``split`` (see the module docstring)."""
+    names = set(model.state_dict())
+    if split == "head":
+        return {n for n in names if model.is_head(n)}  # type: ignore[operator]
+    if split == "linear":
+        out: set[str] = set()
+        for prefix, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                out |= {f"{prefix}.{k}" if prefix else k for k in module.state_dict()}
+        return out
+    raise ConfigError(f"personal split '{split}' unknown; allowed: {', '.join(PERSONAL_SPLITS)}")
+
+
+@ALGORITHMS.register("fedper")
+class FedPer(Algorithm):
+    """FedPer (Arivazhagan et al. 2019): FedAvg on the base layers, personal layers kept by each client."""
+
+    name = "fedper"
+    personalized_eval: ClassVar[bool] = True
+    requires_personalized_eval: ClassVar[bool] = True
+
+    class Params(HyperParams):
+        personal: Literal["head", "linear"] = Field(
+            "head",
+            description="personal layers: the classifier, or every linear layer (FedProto's Table 1 split)",
+        )
+
+    p: Params
+    _personal: frozenset[str] = frozenset()
+
+    def is_personal(self, name: str) -> bool:
+        return name in self._personal
+
+    def is_shared(self, name: str) -> bool:
+        return name not in self._personal
+
+    def init_server(self, model: nn.Module) -> State:
+        self._personal = frozenset(personal_names(model, self.p.personal))
+        if not self._personal or len(self._personal) == len(model.state_dict()):
+            raise ConfigError(
+                f"{self.name}: personal={self.p.personal} leaves no shared or no personal layer in this model"
+            )
+        state = model.state_dict()
+        return {"weights": {k: v.detach().clone() for k, v in state.items() if self.is_shared(k)}}
+
+    def broadcast(self, server: State, cid: int | None) -> Payload:
+        return Payload(tensors=model_tensors(server["weights"]))  # base layers only
+
+    def init_client(self, cid: int, server: State) -> State:
+        return {"personal": {k: v for k, v in self.ctx.initial_state(cid).items() if self.is_personal(k)}}
+
+    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
+        if state is None:
+            raise ConfigError(f"{self.name} has no global head to evaluate; set eval.protocol=personalized")
+        load_state(model, payload.model_state())
+        load_state(model, state["personal"])
+
+    def finish_local(
+        self,
+        model: nn.Module,
+        payload: Payload,
+        state: State,
+        client: ClientView,
+        scratch: dict,
+        result: LocalResult,
+    ) -> Payload:
+        sd = model.state_dict()
+        state["personal"] = {k: v.detach().clone() for k, v in sd.items() if self.is_personal(k)}
+        return Payload(tensors=model_tensors(sd, self.is_shared))

@@ -1,0 +1,46 @@
+"""FedRep (Collins, Hassani, Mokhtari, Shakkottai 2021, "Exploiting Shared Representations for Personalized
+Federated Learning", ICML), Algorithm 1.
+
+Like FedPer the representation (body) is shared and averaged, the head is personal; but local training
+alternates: first ``head_epochs`` passes on the head with the received representation frozen, then
+``body_epochs`` passes on the representation with the new head frozen. Only the representation is uploaded.
+Defaults follow the paper's experiments (10 head epochs, 1 representation epoch, §5 and its code's
+``local_ep``/``local_rep_ep``); ``body_epochs`` unset uses ``client.epochs``.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from torch import nn
+
+from fedskew.algorithms.base import ALGORITHMS, ClientView, HyperParams, Payload, Phase, State
+from fedskew.algorithms.fedper import FedPer
+
+
+@ALGORITHMS.register("fedrep")
+class FedRep(FedPer):
+    """FedRep (Collins et al. 2021): personal head trained first on a frozen shared body, then the body."""
+
+    name = "fedrep"
+
+    class Params(FedPer.Params):
+        head_epochs: int = Field(10, ge=0, description="local epochs on the head, body frozen (§5: 10)")
+        body_epochs: int | None = Field(
+            None, ge=0, description="local epochs on the body, head frozen (§5: 1; None: client.epochs)"
+        )
+
+    p: Params
+
+    def start_local(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+    ) -> list[Phase]:
+        self.load_model(model, payload, state)
+        body = self.ctx.client.epochs if self.p.body_epochs is None else self.p.body_epochs
+        lr = self.ctx.client.lr
+        return [
+            Phase(epochs=self.p.head_epochs, lr=lr, trainable=self.is_personal),
+            Phase(epochs=body, lr=lr, trainable=self.is_shared),
+        ]
+
+
+__all__ = ["FedRep", "HyperParams"]

@@ -1,0 +1,206 @@
+"""FedProto (and the personalized baselines of its Table 1, FedPer and FedRep): defining math on tiny tensors,
+what crosses the network, heterogeneous models, and end-to-end learning on digits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import ALGORITHMS, Batch, ClientConfig, Context, Payload
+from fedskew.algorithms.fedper import personal_names
+from fedskew.algorithms.fedproto import prototype_regularizer
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.models.base import MODELS, FedModel, count_parameters
+from tests.conftest import digits_config
+
+MH = {"0-1": {"conv2_channels": 18}, "2-3": {"conv2_channels": 20}, "4-5": {"conv2_channels": 22}}
+
+
+def kshot_config(algorithm: dict, rounds: int = 3, **over) -> dict:
+    """digits, 6 clients with FedProto's n-way k-shot tasks and per-class local test sets."""
+    cfg = digits_config(
+        rounds=rounds,
+        data={
+            "dataset": "digits",
+            "num_clients": 6,
+            "partition": {"name": "nway_kshot", "n": 3, "stdev": 1, "k": 40},
+            "test": {"per_class": 10},
+        },
+        model={"name": "cnn_fedproto", "padding": 2},
+        algorithm=algorithm,
+        client={"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+        eval={"protocol": "personalized", "every": 1},
+        checkpoint={"every": 0},
+    )
+    cfg.update(over)
+    return cfg
+
+
+class Lin(FedModel):
+    embed_dim = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 2, bias=False)
+        self.classifier = nn.Linear(2, 3)
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+    def head(self, z: Tensor) -> Tensor:
+        return self.classifier(z)
+
+
+def tiny_ctx() -> Context:
+    return Context(
+        num_clients=2,
+        num_classes=3,
+        in_shape=(2,),
+        device=torch.device("cpu"),
+        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
+        client_sizes=torch.tensor([3, 3]),
+        class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
+        rounds=2,
+        seed=0,
+        build_model=lambda cid: Lin(),
+    )
+
+
+def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
+    """L = CE + λ (1/(B·d)) Σ_b 1[C̄^(y_b) exists] ‖h_b − C̄^(y_b)‖² (Eq. 7–8, per-sample form, spec §2.5)."""
+    torch.manual_seed(0)
+    model = Lin()
+    with torch.no_grad():
+        model.body.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    alg = ALGORITHMS.get("fedproto")(ALGORITHMS.get("fedproto").Params(lam=0.5), tiny_ctx())
+    x = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
+    y = torch.tensor([0, 0, 1, 2])  # class 2 has no global prototype yet
+    payload = Payload(
+        tensors={"classes": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 1.0], [0.0, 3.0]])}
+    )
+    loss = alg.local_loss(model, Batch(x, y), payload, {}, {})
+    h = torch.tensor([[1.0, 2.0], [2.0, 0.0], [0.0, 2.0], [1.0, -2.0]])  # body(x) by hand
+    reg = (((1 - 1) ** 2 + (2 - 1) ** 2) + ((2 - 1) ** 2 + (0 - 1) ** 2) + (0**2 + (2 - 3) ** 2) + 0.0) / (
+        4 * 2
+    )
+    expected = F.cross_entropy(model.head(h), y) + 0.5 * reg
+    assert abs(float(loss.detach()) - float(expected.detach())) < 1e-6
+    # the global prototypes are constants: no gradient reaches them
+    assert not payload.tensors["protos"].requires_grad
+
+
+def test_prototype_level_regularizer_is_sample_form_minus_within_class_scatter():
+    g = torch.Generator().manual_seed(0)
+    h, y = torch.randn(12, 3, generator=g), torch.randint(0, 3, (12,), generator=g)
+    targets, has = torch.randn(3, 3, generator=g), torch.tensor([True, True, False])
+    sample = prototype_regularizer(h, y, targets, has, "sample")
+    proto = prototype_regularizer(h, y, targets, has, "prototype")
+    scatter = sum(float((h[(y == j)] - h[(y == j)].mean(0)).pow(2).sum()) for j in range(2) if (y == j).any())
+    assert abs(float(sample) - float(proto) - scatter / (12 * 3)) < 1e-5
+
+
+def test_only_prototypes_cross_the_network():
+    sim = build_simulation(build_config(kshot_config({"name": "fedproto"})))
+    seen_up: list[Payload] = []
+    seen_down: list[Payload] = []
+    aggregate, broadcast = sim.algorithm.aggregate, sim.algorithm.broadcast
+    sim.algorithm.aggregate = lambda s, ups, r: (
+        seen_up.extend(u.payload for u in ups),
+        aggregate(s, ups, r),
+    )[1]
+    sim.algorithm.broadcast = lambda s, cid: (lambda p: (seen_down.append(p), p)[1])(broadcast(s, cid))
+    assert not sim.server["present"].any()  # round 1 starts from an empty prototype set (spec A3)
+    sim.run_round()
+    assert all(p.tensors["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
+    sim.run_round()
+    weights = {tuple(v.shape) for v in sim.model_for(0).state_dict().values()}
+    for p in seen_up + seen_down:
+        assert set(p.tensors) <= {"classes", "protos", "counts"}
+        assert not {tuple(t.shape) for t in p.tensors.values()} & (weights - {(50,)})
+        assert p.tensors["protos"].shape[1:] == (50,)
+    counts = sim.class_counts
+    for cid, p in enumerate(seen_up[-sim.num_clients :]):
+        assert p.tensors["classes"].tolist() == torch.nonzero(counts[cid] > 0).flatten().tolist()
+        assert p.tensors["counts"].tolist() == counts[cid][counts[cid] > 0].tolist()
+    record = sim.history[-1]
+    assert record["round_params_up"] == 50 * int((counts > 0).sum())  # Σ_i n_i · d_c (spec §5.2)
+    assert {"accuracy", "accuracy_logits", "proto_distance"} <= set(record)
+
+
+def test_fedproto_with_lambda_zero_is_local():
+    """No weights are shared, so λ = 0 leaves every client training alone (spec §7.1)."""
+    proto = run_experiment(build_config(kshot_config({"name": "fedproto", "lam": 0.0})))
+    local = run_experiment(build_config(kshot_config({"name": "local"})))
+    assert proto["final"]["accuracy_logits"] == local["final"]["accuracy"]
+
+
+def test_heterogeneous_models_train_together_and_learn():
+    cfg = build_config(
+        kshot_config(
+            {"name": "fedproto"}, rounds=6, model={"name": "cnn_fedproto", "padding": 2, "per_client": MH}
+        )
+    )
+    sim = build_simulation(cfg)
+    sizes = {count_parameters(sim.model_for(c)) for c in range(6)}
+    assert len(sizes) == 3
+    for _ in range(cfg.rounds):
+        sim.run_round()
+    final = sim.history[-1]
+    assert final["accuracy"] > 0.8, final
+    assert final["proto_classes"] == 10
+
+
+def test_fedproto_learns_on_digits_nway_kshot():
+    summary = run_experiment(build_config(kshot_config({"name": "fedproto"}, rounds=8)))
+    assert summary["final"]["accuracy"] >= 0.9, summary["final"]  # nearest global prototype, own classes
+    assert summary["final"]["accuracy_logits"] >= 0.85, summary["final"]
+
+
+# ------------------------------------------------------------------------------ FedPer / FedRep
+def test_personal_splits_of_the_fedproto_cnn():
+    model = MODELS.get("cnn_fedproto")((1, 28, 28), 10)
+    linear = personal_names(model, "linear")
+    head = personal_names(model, "head")
+    assert head < linear
+    shared = sum(v.numel() for k, v in model.state_dict().items() if k not in linear)
+    assert shared == 5280  # conv layers: Table 1's FedPer upload 20 x 5,280 = 105.6k (spec §5.2)
+
+
+def test_fedper_uploads_only_shared_layers_and_keeps_its_head():
+    cfg = build_config(kshot_config({"name": "fedper", "personal": "linear"}, rounds=2))
+    sim = build_simulation(cfg)
+    ups: list[Payload] = []
+    aggregate = sim.algorithm.aggregate
+    sim.algorithm.aggregate = lambda s, u, r: (ups.extend(x.payload for x in u), aggregate(s, u, r))[1]
+    sim.run_round()
+    names = set(ups[0].model_state())
+    model = sim.model_for(0)
+    assert names == set(model.state_dict()) - personal_names(model, "linear")
+    heads = [sim.client_states[c]["personal"]["classifier.1.weight"] for c in range(2)]
+    assert not torch.equal(heads[0], heads[1])  # personal heads differ after local training
+
+
+def test_fedrep_trains_head_on_a_frozen_body_then_the_body():
+    params = ALGORITHMS.get("fedrep").Params(personal="head", head_epochs=3, body_epochs=0)
+    cfg = build_config(kshot_config({"name": "fedrep", **params.model_dump()}, rounds=1))
+    sim = build_simulation(cfg)
+    before = {k: v.clone() for k, v in sim.server["weights"].items()}
+    sim.run_round()
+    # body_epochs=0: the shared representation is untouched (up to the average's rounding), the heads moved
+    assert all(torch.allclose(before[k].float(), sim.server["weights"][k].float(), atol=1e-6) for k in before)
+    head0 = sim.algorithm.ctx.initial_state(0)["classifier.1.weight"]
+    assert not torch.equal(sim.client_states[0]["personal"]["classifier.1.weight"], head0)
+    phases = sim.algorithm.start_local(
+        sim.model_for(0), sim.algorithm.broadcast(sim.server, 0), sim.client_state(0), sim.client_view(0)
+    )
+    assert [p.epochs for p in phases] == [3, 0]
+    assert phases[0].trainable("classifier.1.weight") and not phases[0].trainable("body.1.weight")
+    assert phases[1].trainable("body.1.weight") and not phases[1].trainable("classifier.1.bias")
+
+
+def test_fedper_and_fedrep_learn_on_digits():
+    for alg in ({"name": "fedper"}, {"name": "fedrep", "head_epochs": 2}):
+        summary = run_experiment(build_config(kshot_config(alg, rounds=6)))
+        assert summary["final"]["accuracy"] >= 0.85, (alg, summary["final"])
