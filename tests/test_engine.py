@@ -103,6 +103,7 @@ def test_personalized_evaluation_matches_direct_computation():
             accs.append(float((model(x).argmax(1) == sim.y_test[idx]).double().mean()))
     assert rec["accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-9)
     assert rec["accuracy_std"] == pytest.approx(float(np.std(accs)), abs=1e-9)
+    assert rec["accuracy_clients"] == pytest.approx(accs, abs=1e-6)
 
 
 def test_final_round_is_reported_not_best(tmp_path):

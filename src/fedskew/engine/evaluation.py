@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,18 +50,20 @@ def score(
 
 def summarize(
     per_client: dict[str, Tensor], loss: float, heads: list[str], sizes: Tensor | None = None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Metrics record: ``accuracy`` (primary head) and ``accuracy_<head>`` for the others.
 
     ``per_client[head]`` holds one accuracy per client (``personalized``: mean and std over clients, as
     FedProto and MP-FedCL report) or a single value (``global``).
     """
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for i, head in enumerate(heads):
         accs = per_client[head].double()
         key = "accuracy" if i == 0 else f"accuracy_{head}"
         out[key] = float(accs.mean())
         out[key + "_std"] = float(accs.std(unbiased=False)) if accs.numel() > 1 else 0.0
+        if sizes is not None and i == 0:  # per-client accuracies of the primary head (spread analyses)
+            out["accuracy_clients"] = [round(float(a), 6) for a in accs]  # type: ignore[assignment]
     out["loss"] = loss
     if sizes is not None:  # sample-weighted personalized accuracy, for comparison with pooled numbers
         w = sizes.double() / sizes.sum()

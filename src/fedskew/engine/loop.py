@@ -263,7 +263,7 @@ class Simulation:
 
     def _evaluate_split(
         self, x: Tensor, y: Tensor, client_idx: list[Tensor] | None, to_float: Callable[[Tensor], Tensor]
-    ) -> dict[str, float]:
+    ) -> dict[str, Any]:
         """``client_idx=None``: the global protocol on ``(x, y)``; else per-client subsets of ``x``."""
         if client_idx is None:
             s = self._score(None, x, y, to_float)
@@ -287,7 +287,7 @@ class Simulation:
         mean_loss = float(segment_mean(loss, seg, n).mean())
         return summarize(per_client, mean_loss, list(correct), sizes)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, Any]:
         """Metrics of the current server / client states under the configured protocol."""
         per_client = self.eval.protocol == "personalized"
         raw = self.data.dataset.to_float
