@@ -3,6 +3,7 @@
 from fedskew.algorithms import (  # noqa: F401
     fedavg,
     feddyn,
+    fedent,
     fedopt,
     fedper,
     fedproto,

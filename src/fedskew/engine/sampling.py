@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedskew.seeding import derive_seed
 
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed derived from integers (e.g. ``(seed, round, cid)``), independent of execution order."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint64)[0] >> 1)
+__all__ = ["clients_per_round", "derive_seed", "sampling_schedule"]
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
