@@ -54,11 +54,11 @@ def client_accuracies(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return np.array(record["accuracy_clients"]), sizes
 
 
-def code_cumulative_std(acc: np.ndarray, sizes: np.ndarray) -> float:
-    """The std the authors' evaluation prints: its counters are never reset, so client i's "accuracy" is the
-    running accuracy over clients 0..i (spec §4.8)."""
-    correct = np.cumsum(acc * sizes)
-    return float(np.std(correct / np.cumsum(sizes)))
+def code_cumulative(acc: np.ndarray, sizes: np.ndarray) -> tuple[float, float]:
+    """Mean and std as the authors' evaluation prints them: its counters are never reset, so client i's
+    "accuracy" is the running accuracy over clients 0..i (spec §4.8)."""
+    running = np.cumsum(acc * sizes) / np.cumsum(sizes)
+    return float(running.mean()), float(running.std())
 
 
 def main(root: Path) -> None:
@@ -74,7 +74,8 @@ def main(root: Path) -> None:
         print(f"| {label} | {' | '.join(cells)} | {rounds} | {p} |")
     print("\nClassifier head (accuracy_logits) of FedProto:")
     for label, pattern in METHODS[-2:]:
-        print(f"| {label} (classifier) | " + " | ".join(cell(runs.get(pattern.format(n=n), []), "accuracy_logits") for n in (3, 4, 5)) + " |")
+        cells = [cell(runs.get(pattern.format(n=n), []), "accuracy_logits") for n in (3, 4, 5)]
+        print(f"| {label} (classifier) | " + " | ".join(cells) + " |")
     print("\nλ sweep (MNIST n = 3, seed 1234):")
     print("| λ | nearest-prototype acc | classifier acc | proto_distance (final) |")
     print("|---|---|---|---|")
@@ -83,27 +84,32 @@ def main(root: Path) -> None:
     for name in sorted(sweep, key=lambda s: float(s.removeprefix("mnist-n3-lam"))):
         for r in sweep[name]:
             f = r.summary["final"]
+            lam = name.removeprefix("mnist-n3-lam")
             print(
-                f"| {name.removeprefix('mnist-n3-lam')} | {100 * f['accuracy']:.2f} ± {100 * f['accuracy_std']:.2f} "
+                f"| {lam} | {100 * f['accuracy']:.2f} ± {100 * f['accuracy_std']:.2f} "
                 f"| {100 * f['accuracy_logits']:.2f} ± {100 * f['accuracy_logits_std']:.2f} "
                 f"| {r.metrics[-1]['proto_distance']:.4f} |"
             )
     print("\nAcross-client std: correct per-client evaluation vs the code's cumulative counters (seed 1234):")
-    print("| Method | mean | std over clients | std as the code prints it |")
-    print("|---|---|---|---|")
+    print("| Method | mean | std over clients | worst client | mean, code-style | std, code-style |")
+    print("|---|---|---|---|---|---|")
     for label, pattern in METHODS:
         for r in runs.get(pattern.format(n=3), []):
             if r.config["seed"] == 1234 and (r.path / CHECKPOINT_FILE).is_file():
                 acc, sizes = client_accuracies(r)
-                cum = code_cumulative_std(acc, sizes)
-                print(f"| {label} | {100 * acc.mean():.2f} | {100 * acc.std():.2f} | {100 * cum:.2f} |")
+                cm, cs = code_cumulative(acc, sizes)
+                print(
+                    f"| {label} | {100 * acc.mean():.2f} | {100 * acc.std():.2f} | {100 * acc.min():.2f} "
+                    f"| {100 * cm:.2f} | {100 * cs:.2f} |"
+                )
     groups = []
     for label, pattern in METHODS:
         rs = runs.get(pattern.format(n=3), [])
         if rs:
             groups.append(Group(label, rs))
     img = Path(__file__).parent / "img" / "fedproto_mnist_n3.png"
-    plot_accuracy(groups, img, "MNIST n=3 (Stdev 2, k=100, 20 clients): personalized test accuracy, mean over seeds")
+    title = "MNIST n=3 (Stdev 2, k=100, 20 clients): personalized test accuracy, mean over seeds"
+    plot_accuracy(groups, img, title)
     print(f"\nplot: {img}")
 
 
