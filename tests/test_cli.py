@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fedskew.experiment.config import build_config
-from fedskew.experiment.report import find_runs, group_runs, markdown_table
+from fedskew.experiment.report import find_runs, group_runs, markdown_table, mean_curve, plot_accuracy
 from fedskew.experiment.runner import run_experiment
 from tests.conftest import digits_config
 
@@ -51,6 +51,10 @@ def test_report_groups_seeds_with_mean_and_std(tmp_path):
     res = fedskew("report", str(tmp_path), "--plot", str(tmp_path / "acc.png"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "acc.png").stat().st_size > 1000
+    rounds, loss, _ = mean_curve(groups[0], "loss")  # any per-round key, e.g. for Fig. 3's loss panel
+    assert rounds == [1] and loss[0] == pytest.approx(sum(r.metrics[-1]["loss"] for r in groups[0].runs) / 2)
+    out = plot_accuracy(groups, tmp_path / "loss.png", key="loss", ylabel="test loss", scale=1.0)
+    assert out.stat().st_size > 1000
 
 
 def test_report_on_empty_folder_is_a_clear_error(tmp_path):

@@ -19,7 +19,7 @@ Mean-field estimators (Definition 2, Eqs. 11–12). ``φ1(t)`` is the actual glo
 ``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²``, solved by the server once per round (spec §3.9,
 §4.2). The paper evaluates it before training (Algorithm 1) with every client's gradient at every
 ``φ1(t)``; the server here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous
-round's participants reported (see ``phi2_fixed_point`` and docs/fedent_section.md). The full forward pass
+round's participants reported (see ``phi2_fixed_point`` and docs/algorithms.md). The full forward pass
 of Algorithm 1 with a gradient oracle is :func:`mean_field_trajectory`.
 
 FedCos (Eq. 59): FedAvg whose aggregation weights are the cosine similarities between local and global

@@ -103,8 +103,27 @@ def markdown_table(groups: list[Group]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def plot_accuracy(groups: list[Group], path: str | Path, title: str = "") -> Path:
-    """Accuracy vs round: mean over seeds, shaded ± std."""
+def mean_curve(group: Group, key: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Rounds at which any run of the group logged ``key``, and the mean and std over its runs there."""
+    rounds = sorted({m["round"] for r in group.runs for m in r.metrics if m.get(key) is not None})
+    table = np.full((len(group.runs), len(rounds)), np.nan)
+    for i, r in enumerate(group.runs):
+        for m in r.metrics:
+            if m.get(key) is not None:
+                table[i, rounds.index(m["round"])] = m[key]
+    return rounds, np.nanmean(table, 0), np.nanstd(table, 0)
+
+
+def plot_accuracy(
+    groups: list[Group],
+    path: str | Path,
+    title: str = "",
+    key: str = "accuracy",
+    ylabel: str = "test accuracy (%)",
+    scale: float = 100.0,
+) -> Path:
+    """A per-round metric (test accuracy by default) vs round: mean over seeds, shaded ± std. Any
+    ``metrics.jsonl`` key works, e.g. ``key="loss", scale=1`` for the test loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,18 +131,12 @@ def plot_accuracy(groups: list[Group], path: str | Path, title: str = "") -> Pat
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for g in groups:
-        rounds = sorted({m["round"] for r in g.runs for m in r.metrics})
-        table = np.full((len(g.runs), len(rounds)), np.nan)
-        for i, r in enumerate(g.runs):
-            for m in r.metrics:
-                if m.get("accuracy") is not None:
-                    table[i, rounds.index(m["round"])] = m["accuracy"]
-        mean, std = np.nanmean(table, 0), np.nanstd(table, 0)
-        ax.plot(rounds, 100 * mean, label=g.label.split(" | ")[0], lw=1.6)
+        rounds, mean, std = mean_curve(g, key)
+        ax.plot(rounds, scale * mean, label=g.label.split(" | ")[0], lw=1.6)
         if len(g.runs) > 1:
-            ax.fill_between(rounds, 100 * (mean - std), 100 * (mean + std), alpha=0.2)
+            ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), alpha=0.2)
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if title:
