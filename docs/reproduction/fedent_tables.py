@@ -228,8 +228,6 @@ def main(root: Path) -> None:
     variants(runs)
     print("\nβ sweep (Fig. 12, MNIST pathological, seed 0):")
     sweep(runs, "beta", "0.99")
-    print("\nγ (EMA of Eq. 37) ablation (MNIST pathological, seed 0):")
-    sweep(runs, "gamma", "0.99")
     print("\nFedEnt learning-rate diagnostics (MNIST pathological, over all 50 rounds):")
     diagnostics(runs)
     groups = [Group(label, runs[MNIST + s]) for label, s in METHODS if MNIST + s in runs]

@@ -135,18 +135,29 @@ def nearest_prototype_scores(x: Tensor, table: Tensor, mask: Tensor | None = Non
 
 
 def kmeans(
-    x: Tensor, k: int, iters: int = 50, generator: torch.Generator | None = None, tol: float = 1e-6
+    x: Tensor,
+    k: int,
+    iters: int = 50,
+    generator: torch.Generator | None = None,
+    tol: float = 1e-6,
+    init: str = "kmeans++",
 ) -> tuple[Tensor, Tensor]:
-    """Lloyd's k-means with k-means++ seeding (MP-FedCL's multi-prototypes). Returns ``(centers [k', D],
-    assignment [N])`` with ``k' = min(k, N)``; an emptied cluster is re-seeded at the farthest point.
+    """Lloyd's k-means (MP-FedCL's multi-prototypes, Eq. 7). Returns ``(centers [k', D], assignment [N])``
+    with ``k' = min(k, N)``; an emptied cluster is re-seeded at the farthest point. ``init``: ``kmeans++``
+    seeding or ``random`` (k distinct data points, the paper's "randomly selected" centroids); Lloyd stops
+    when the centers move less than ``tol`` (squared) or after ``iters`` iterations.
 
     Deterministic for a given ``generator`` (CPU generator; seeding draws are made on the CPU).
     """
     n = x.shape[0]
     if n == 0:
         raise ValueError("kmeans: no points")
+    if init not in ("kmeans++", "random"):
+        raise ValueError(f"kmeans: init must be kmeans++ or random, got {init!r}")
     k = min(k, n)
     xd = x.double()
+    if init == "random":
+        return _lloyd(xd, xd[torch.randperm(n, generator=generator)[:k].to(x.device)], iters, tol, x.dtype)
     first = int(torch.randint(n, (1,), generator=generator))
     centers = [xd[first]]
     closest = squared_distances(xd, xd[first : first + 1])[:, 0]
@@ -159,8 +170,11 @@ def kmeans(
             idx = int(torch.multinomial(probs, 1, generator=generator))
         centers.append(xd[idx])
         closest = torch.minimum(closest, squared_distances(xd, xd[idx : idx + 1])[:, 0])
-    c = torch.stack(centers)
-    assign = torch.zeros(n, dtype=torch.long, device=x.device)
+    return _lloyd(xd, torch.stack(centers), iters, tol, x.dtype)
+
+
+def _lloyd(xd: Tensor, c: Tensor, iters: int, tol: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    k = c.shape[0]
     for _ in range(iters):
         dist = squared_distances(xd, c)
         assign = dist.argmin(1)
@@ -176,4 +190,4 @@ def kmeans(
         if shift <= tol:
             break
     assign = squared_distances(xd, c).argmin(1)
-    return c.to(x.dtype), assign
+    return c.to(dtype), assign

@@ -11,6 +11,7 @@ from fedskew.algorithms import (  # noqa: F401
     fedrep,
     local,
     moon,
+    mpfedcl,
     scaffold,
 )
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, HyperParams, Payload

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
+from fedskew.errors import ConfigError
 from fedskew.registry import Registry
 
 #: name -> Algorithm subclass
@@ -89,6 +90,7 @@ class ClientConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     fraction: float = 1.0
+    lr_decay: float = 1.0
 
 
 @dataclass
@@ -283,6 +285,14 @@ def load_state(model: nn.Module, state: Mapping[str, Tensor]) -> None:
 def flat_params(model: nn.Module) -> Tensor:
     """All trainable parameters as one vector (a view-free concatenation, keeps autograd)."""
     return torch.cat([p.reshape(-1) for p in model.parameters()])
+
+
+def embedding_dim(model: nn.Module, algorithm: str) -> int:
+    """The model's embedding size ``d`` (prototype methods), or a one-line error naming the algorithm."""
+    dim = int(getattr(model, "embed_dim", 0))
+    if dim <= 0:
+        raise ConfigError(f"{algorithm} needs a model with features()/embed_dim (see `fedskew list`)")
+    return dim
 
 
 def param_names(model: nn.Module) -> list[str]:

@@ -46,6 +46,7 @@ from fedskew.algorithms.base import (
     Payload,
     State,
     Upload,
+    embedding_dim,
     load_state,
 )
 from fedskew.errors import ConfigError
@@ -107,9 +108,7 @@ class FedProto(Algorithm):
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
         # The server holds prototypes only, never a model (spec §3.2 "the server holds no model").
-        dim = int(getattr(model, "embed_dim", 0))
-        if dim <= 0:
-            raise ConfigError("fedproto needs a model with features()/embed_dim (see `fedskew list`)")
+        dim = embedding_dim(model, self.name)
         c = self.ctx.num_classes
         return {
             "protos": torch.zeros(c, dim, device=self.ctx.device),

@@ -119,6 +119,7 @@ def build_federated(
     *,
     test: Mapping[str, Any] | None = None,
     val_fraction: float = 0.0,
+    train_limit: int | None = None,
 ) -> FederatedData:
     """Partition ``dataset`` over ``num_clients`` with the scheme ``partition = {"name": ..., **options}``.
 
@@ -126,7 +127,8 @@ def build_federated(
     ``dataset.domain_train`` as ``domains``); per-client test splits from the test set matching each client's
     training distribution (``test`` = options of :func:`~fedskew.data.partition.client_test_split`, e.g.
     ``{"per_class": 40}``; with domain tags on both splits the (domain, class) mix is matched); then
-    ``val_fraction`` of each client's training indices held out for validation. Unknown options raise
+    ``val_fraction`` of each client's training indices held out for validation. ``train_limit=n`` partitions
+    only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). Unknown options raise
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
@@ -134,6 +136,9 @@ def build_federated(
         raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
+    if train_limit is not None:  # the partition indexes the first n samples only
+        labels = labels[:train_limit]
+        domains = None if domains is None else domains[:train_limit]
     parts = apply_partition(
         partition, labels, num_clients, seed, num_classes=dataset.num_classes, domains=domains
     )

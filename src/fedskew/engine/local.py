@@ -37,8 +37,10 @@ def run_phases(
     cfg: ClientConfig,
     generator: torch.Generator,
     scratch: dict,
+    lr_scale: float = 1.0,
 ) -> LocalResult:
-    """Run every phase's epochs of mini-batch SGD on ``model`` over the client's tensors."""
+    """Run every phase's epochs of mini-batch SGD on ``model`` over the client's tensors, each phase's
+    learning rate multiplied by ``lr_scale`` (the round's ``client.lr_decay`` factor)."""
     n = client.num_samples
     bs = max(1, min(cfg.batch_size, n))
     model.train()
@@ -50,8 +52,8 @@ def run_phases(
             for name, p in named:
                 p.requires_grad_(phase.trainable is None or phase.trainable(name))
             momentum = cfg.momentum if phase.momentum is None else phase.momentum
-            opt = torch.optim.SGD(train, lr=phase.lr, momentum=momentum, weight_decay=cfg.weight_decay)
-            lr = phase.lr
+            lr = phase.lr * lr_scale
+            opt = torch.optim.SGD(train, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
             for epoch in range(phase.epochs):
                 last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
                 perm = torch.randperm(n, generator=generator).to(client.x.device)

@@ -191,7 +191,9 @@ class Simulation:
         out = ClientOutcome(cid=cid, bytes_down=payload.nbytes(), params_down=payload.num_params())
         try:
             phases = alg.start_local(model, payload, state, view)
-            result = run_phases(model, alg, payload, state, view, phases, self.client_cfg, gen, scratch)
+            decay = self.client_cfg.lr_decay ** (round_idx - 1)
+            cfg = self.client_cfg
+            result = run_phases(model, alg, payload, state, view, phases, cfg, gen, scratch, decay)
             upload = alg.finish_local(model, payload, state, view, scratch, result)
         except NonFiniteLoss as err:
             log.warning("round %d: rejected update: %s", round_idx, err)

@@ -24,6 +24,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class FrozenEncoderConfig(_Strict):
+    """A pre-trained encoder applied once to every image; only the model on top is trained."""
+
+    name: str = Field("resnet18", description="encoder model registry name")
+    weights: str = Field(..., description="state_dict file; relative paths are under the data root")
+    options: dict[str, Any] = Field(default_factory=dict, description="encoder model options, e.g. stem")
+    batch_size: int = Field(256, ge=1, description="encoding batch size")
+
+
 class DataConfig(_Strict):
     dataset: str = Field("digits", description="dataset registry name (`fedskew list`)")
     root: str | None = Field(None, description="data root; default $FEDSKEW_DATA, else ~/.cache/fedskew")
@@ -37,6 +46,12 @@ class DataConfig(_Strict):
     )
     val_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="share of each client's training data held out for validation"
+    )
+    frozen_encoder: FrozenEncoderConfig | None = Field(
+        None, description="replace images by a frozen pre-trained encoder's features (MP-FedCL spec A8)"
+    )
+    train_limit: int | None = Field(
+        None, ge=1, description="partition only the first n training samples (MP-FedCL's 2,000 MNIST images)"
     )
 
 
@@ -70,6 +85,9 @@ class ClientSection(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
     fraction: float = Field(1.0, gt=0, le=1, description="share of clients sampled per round")
+    lr_decay: float = Field(
+        1.0, gt=0, le=1, description="round-t learning rate = lr · lr_decay^(t−1) (MP-FedCL: 0.95)"
+    )
 
 
 class EvalSection(_Strict):

@@ -27,6 +27,7 @@ from fedskew.engine.loop import EvalSettings, Simulation
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import Config, dump_config, parse_client_range
 from fedskew.models.base import MODELS
+from fedskew.models.frozen import frozen_features
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -49,7 +50,12 @@ def build_data(cfg: Config) -> FederatedData:
     loader = DATASETS.get(cfg.data.dataset)
     from fedskew.data.base import resolve_root
 
-    dataset = loader(resolve_root(cfg.data.root), **cfg.data.options)
+    root = resolve_root(cfg.data.root)
+    dataset = loader(root, **cfg.data.options)
+    enc = cfg.data.frozen_encoder
+    if enc is not None:
+        weights = Path(enc.weights) if Path(enc.weights).is_absolute() else Path(root) / enc.weights
+        dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, cfg.engine.device)
     return build_federated(
         dataset,
         cfg.data.num_clients,
@@ -57,6 +63,7 @@ def build_data(cfg: Config) -> FederatedData:
         cfg.seed,
         test=cfg.data.test or None,
         val_fraction=cfg.data.val_fraction,
+        train_limit=cfg.data.train_limit,
     )
 
 

@@ -115,22 +115,20 @@ def mlp_mpfedcl(
     embed_dim: PosInt = 256,
     normalize: bool = False,
     relu_logits: bool = False,
+    encoder: bool = True,
 ) -> FedModel:
     """MP-FedCL's MNIST MLP (Table III): FC 784-512-512-256 (ReLU) -> 256-d embedding | FC 256-C.
 
     798,474 parameters on MNIST (= the paper's Table II). The embedding is the 256-d input of the decision
     layer, as the prototype sizes K*C*256 of Table II imply (spec mp-fedcl §2). ``normalize`` L2-normalises
     it (spec A3, FedPCL's head); ``relu_logits`` applies Table III's literal ReLU to the logits (spec A19).
+    ``encoder=False`` keeps only the MLP (FC d-256 | FC 256-C: 133,898 parameters on 512-d inputs), the
+    trained part on top of a frozen ResNet-18 (``data.frozen_encoder``, spec A8).
     """
     d = math.prod(in_shape)
+    fc_encoder = [nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()] if encoder else []
     body = nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(d, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, embed_dim),
-        nn.ReLU(),
+        nn.Flatten(), *fc_encoder, nn.Linear(hidden if encoder else d, embed_dim), nn.ReLU()
     )
     head: nn.Module = nn.Linear(embed_dim, num_classes)
     if relu_logits:
