@@ -182,7 +182,9 @@ class MPFedCL(Algorithm):
         weight: float = Field(1.0, ge=0, description="weight of L_R in Eq. 12 (paper: 1, no λ)")
         normalize: bool = Field(True, description="L2-normalise the 256-d embedding (spec A3)")
         positives: Literal["own", "others"] = Field(
-            "own", description="P(y) of Eq. 11: the own class (A1) or the printed 'labels distinct from y'"
+            "own",
+            description="P(y) of Eq. 11 (slice form): the own class (A1) or the printed 'labels distinct "
+            "from y'",
         )
         reduction: Literal["mean", "sum"] = Field(
             "mean", description="L_R over the batch: mean (A2) or Eq. 11's literal sum"
