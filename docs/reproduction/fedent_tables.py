@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedskew.experiment.report import Group, find_runs, plot_accuracy
+from fedskew.experiment.report import Group, plot_accuracy, runs_by_folder
 from fedskew.experiment.runner import METRICS_FILE
 
 IMG = Path(__file__).parent / "img"
@@ -28,15 +28,6 @@ METHODS = [
 PAPER_MNIST = {"FedAvg": 85.53, "FedAdam": 94.89, "FedProx": 86.72, "FedDyn": 88.95, "FedEnt": 97.24}
 MNIST = "mnist-pathological"
 SYMBOL = {"beta": "β", "gamma": "γ"}
-
-
-def runs_by_name(root: Path) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for r in find_runs([root]):
-        out.setdefault(r.path.parent.name, []).append(r)
-    for rs in out.values():
-        rs.sort(key=lambda r: r.config["seed"])
-    return out
 
 
 def final(r, key: str = "accuracy") -> float:
@@ -219,7 +210,7 @@ def plot_eta(runs: list, path: Path) -> Path:
 
 
 def main(root: Path) -> None:
-    runs = runs_by_name(root)
+    runs = runs_by_folder(root)
     print("Table III, MNIST pathological non-IID (20% of 100 clients, 50 rounds):")
     table_iii(runs)
     print("\nFashion-MNIST, Dirichlet, cnn_mnist (CIFAR10 protocol of Table III; not a paper row; seed 0):")

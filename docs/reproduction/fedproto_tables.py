@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedskew.experiment.config import load_config
-from fedskew.experiment.report import Group, RunResult, find_runs, plot_accuracy
+from fedskew.experiment.report import Group, RunResult, plot_accuracy, runs_by_folder
 from fedskew.experiment.runner import CHECKPOINT_FILE, CONFIG_FILE, build_simulation
 
 METHODS = [
@@ -27,13 +27,6 @@ METHODS = [
     ("FedProto", "mnist-n{n}"),
     ("FedProto-mh", "mnist-mh-n{n}"),
 ]
-
-
-def runs_by_name(root: Path) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for r in find_runs([root]):
-        out.setdefault(r.path.parent.name, []).append(r)
-    return out
 
 
 def cell(runs: list, key: str = "accuracy") -> str:
@@ -62,7 +55,7 @@ def code_cumulative(acc: np.ndarray, sizes: np.ndarray) -> tuple[float, float]:
 
 
 def main(root: Path) -> None:
-    runs = runs_by_name(root)
+    runs = runs_by_folder(root)
     print("| Method | n = 3 | n = 4 | n = 5 | rounds | params up / round |")
     print("|---|---|---|---|---|---|")
     for label, pattern in METHODS:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedskew.experiment.config import build_config, load_config
-from fedskew.experiment.report import Group, RunResult, find_runs, plot_accuracy
+from fedskew.experiment.report import Group, RunResult, plot_accuracy, runs_by_folder
 from fedskew.experiment.runner import CHECKPOINT_FILE, CONFIG_FILE, build_simulation
 
 IMG = Path(__file__).parent / "img"
@@ -30,15 +30,6 @@ TABLE_VI = [
     ("Local", "-local", None),
 ]
 DOMAINS = ["mnist", "usps_like", "synth_digits", "mnist_m"]
-
-
-def runs_by_name(root: Path) -> dict[str, list[RunResult]]:
-    out: dict[str, list[RunResult]] = {}
-    for r in find_runs([root]):
-        out.setdefault(r.path.parent.name, []).append(r)
-    for rs in out.values():
-        rs.sort(key=lambda r: r.config["seed"])
-    return out
 
 
 def acc(runs: list[RunResult], key: str = "accuracy") -> np.ndarray:
@@ -164,7 +155,7 @@ def digit_domains(runs: dict[str, list[RunResult]]) -> None:
 
 
 def main(root: Path) -> None:
-    runs = runs_by_name(root)
+    runs = runs_by_folder(root)
     print("Table VI, MNIST column (Dir(0.05), 5 clients, 2,000 images):")
     table_vi(runs)
     print("\nCommunication (Table II):")

@@ -50,6 +50,7 @@ from fedskew.algorithms.base import (
     load_state,
 )
 from fedskew.errors import ConfigError
+from fedskew.models.base import embed_in_chunks
 from fedskew.protos import ClassAccumulator, aggregate_prototypes, class_means, nearest_prototype_scores, pack
 
 
@@ -182,11 +183,9 @@ class FedProto(Algorithm):
             loss = loss + self.p.lam * reg
         return loss
 
-    @torch.no_grad()
-    def _recompute(self, model: nn.Module, client: ClientView, batch: int = 1024) -> tuple[Tensor, Tensor]:
+    def _recompute(self, model: nn.Module, client: ClientView) -> tuple[Tensor, Tensor]:
         model.eval()
-        chunks = range(0, client.num_samples, batch)
-        h = torch.cat([model.features(client.x[i : i + batch]) for i in chunks])
+        h = embed_in_chunks(model.features, client.x)
         model.train()
         return class_means(h, client.y, self.ctx.num_classes)
 

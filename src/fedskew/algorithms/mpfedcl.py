@@ -46,6 +46,7 @@ from fedskew.algorithms.base import (
     load_state,
     model_tensors,
 )
+from fedskew.models.base import embed_in_chunks
 from fedskew.protos import class_sums, kmeans, nearest_prototype_scores
 from fedskew.seeding import derive_seed
 
@@ -297,11 +298,9 @@ class MPFedCL(Algorithm):
             loss = loss + self.p.weight * reg
         return loss
 
-    @torch.no_grad()
-    def _recompute(self, model: nn.Module, client: ClientView, batch: int = 1024) -> tuple[Tensor, Tensor]:
+    def _recompute(self, model: nn.Module, client: ClientView) -> tuple[Tensor, Tensor]:
         model.eval()
-        starts = range(0, client.num_samples, batch)
-        z = torch.cat([self._embed(model, client.x[i : i + batch]) for i in starts])
+        z = embed_in_chunks(lambda x: self._embed(model, x), client.x)
         model.train()
         return z, client.y
 

@@ -68,6 +68,16 @@ def find_runs(paths: list[str | Path]) -> list[RunResult]:
     return found
 
 
+def runs_by_folder(root: str | Path) -> dict[str, list[RunResult]]:
+    """Finished runs under ``root`` laid out as ``<name>/seed<k>/``, keyed by ``<name>``, sorted by seed."""
+    out: dict[str, list[RunResult]] = {}
+    for r in find_runs([root]):
+        out.setdefault(r.path.parent.name, []).append(r)
+    for rs in out.values():
+        rs.sort(key=lambda r: r.config["seed"])
+    return out
+
+
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[str, Group] = {}
     for r in runs:

@@ -6,6 +6,9 @@ variants of one model share the embedding size, so prototypes stay comparable ac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor, nn
 
 from fedskew.registry import Registry
@@ -40,3 +43,9 @@ class FedModel(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def embed_in_chunks(embed: Callable[[Tensor], Tensor], x: Tensor, batch_size: int = 1024) -> Tensor:
+    """``embed`` applied to ``x`` in chunks of ``batch_size`` rows, without autograd, concatenated."""
+    return torch.cat([embed(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fedskew.data.base import Dataset
 from fedskew.errors import ConfigError
-from fedskew.models.base import MODELS
+from fedskew.models.base import MODELS, embed_in_chunks
 
 HEAD_PREFIXES = ("fc.", "classifier.")  # the encoder's own classifier is not part of the features
 
@@ -53,15 +53,14 @@ def load_frozen_encoder(
     return model.eval()
 
 
-@torch.no_grad()
 def encode(encoder: nn.Module, dataset: Dataset, x: Tensor, batch_size: int, device: str) -> Tensor:
     """``encoder.features`` of every sample of ``x`` (normalised as the dataset defines), on ``device``."""
     encoder = encoder.to(device)
-    chunks = [
-        encoder.features(dataset.to_float(x[i : i + batch_size].to(device))).float().cpu()
-        for i in range(0, x.shape[0], batch_size)
-    ]
-    return torch.cat(chunks) if chunks else torch.zeros(0, int(getattr(encoder, "embed_dim", 0)))
+    if x.shape[0] == 0:
+        return torch.zeros(0, int(getattr(encoder, "embed_dim", 0)))
+    return embed_in_chunks(
+        lambda b: encoder.features(dataset.to_float(b.to(device))).float().cpu(), x, batch_size
+    )
 
 
 def frozen_features(
