@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor, nn
+
+from fedskew.models.base import FedModel
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
 
@@ -35,3 +38,20 @@ def digits_config(**over) -> dict:
     }
     cfg.update(over)
     return cfg
+
+
+class TinyLinearModel(FedModel):
+    """features = a 2x2 linear map (embedding d = 2), head = a 3-class classifier: hand-checkable hooks."""
+
+    embed_dim = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 2, bias=False)
+        self.classifier = nn.Linear(2, 3)
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+    def head(self, z: Tensor) -> Tensor:
+        return self.classifier(z)

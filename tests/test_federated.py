@@ -139,6 +139,16 @@ def test_test_split_with_domains_matches_domain_and_class():
 def test_test_split_rejects_two_rules():
     with pytest.raises(ConfigError, match="at most one"):
         client_test_split([np.zeros(3, np.int64)], np.zeros(3, np.int64), 0, per_class=1, size=2)
+    with pytest.raises(ConfigError, match="whole"):
+        client_test_split([np.zeros(3, np.int64)], np.zeros(3, np.int64), 0, per_class=1, whole=True)
+
+
+def test_whole_test_split_gives_every_client_the_balanced_test_set():
+    y_test = np.repeat(np.arange(4), 5)
+    train = [np.array([0, 0, 1]), np.array([3]), np.array([2, 2, 2, 3])]
+    parts, info = client_test_split(train, y_test, 0, whole=True)
+    assert len(parts) == 3 and info["rule"] == "whole" and not info["disjoint"]
+    assert all(np.array_equal(p, np.arange(20)) for p in parts)
 
 
 # ---------------------------------------------------------------------------------------- builder

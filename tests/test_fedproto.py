@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
 
 from fedskew.algorithms.base import ALGORITHMS, Batch, ClientConfig, Context, Payload
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.fedproto import prototype_regularizer
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
-from fedskew.models.base import MODELS, FedModel, count_parameters
+from fedskew.models.base import MODELS, count_parameters
+from tests.conftest import TinyLinearModel as Lin
 from tests.conftest import digits_config
 
 MH = {"0-1": {"conv2_channels": 18}, "2-3": {"conv2_channels": 20}, "4-5": {"conv2_channels": 22}}
@@ -37,20 +37,6 @@ def kshot_config(algorithm: dict, rounds: int = 3, **over) -> dict:
     cfg.update(over)
     return cfg
 
-
-class Lin(FedModel):
-    embed_dim = 2
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(2, 2, bias=False)
-        self.classifier = nn.Linear(2, 3)
-
-    def features(self, x: Tensor) -> Tensor:
-        return self.body(x)
-
-    def head(self, z: Tensor) -> Tensor:
-        return self.classifier(z)
 
 
 def tiny_ctx() -> Context:

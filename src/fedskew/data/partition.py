@@ -721,6 +721,7 @@ def client_test_split(
     fraction: float | None = None,
     size: int | None = None,
     disjoint: bool = True,
+    whole: bool = False,
     num_classes: int | None = None,
     train_domains_per_client: Sequence[np.ndarray] | None = None,
     test_domains: np.ndarray | None = None,
@@ -735,7 +736,9 @@ def client_test_split(
     * ``fraction=f``: ``round(f · n_i)`` samples in proportion to its training histogram;
     * default: ``round(f* · n_i)`` samples in proportion to its training histogram with
       ``f* = min(1, min_c pool_c / Σ_i n_ic)``: the largest proportional test sets that the pool can serve
-      disjointly (where rounding up would overdraw a class, the clients rounded up the most give one back).
+      disjointly (where rounding up would overdraw a class, the clients rounded up the most give one back);
+    * ``whole=True``: every client is tested on the whole test set (a personal-model method scored on the
+      balanced global test set, as FedSKC's Table I does for FedProto).
 
     Test sets are disjoint across clients (``disjoint=True``) for every class whose pool covers the total
     demand; for a class that it does not, each client draws its own sample (without replacement, at most the
@@ -752,8 +755,12 @@ def client_test_split(
         raise ConfigError(
             "client_test_split: give both train_domains_per_client and test_domains, or neither"
         )
-    if sum(x is not None for x in (per_class, fraction, size)) > 1:
-        raise ConfigError("data.test: set at most one of per_class, fraction, size")
+    if sum(x is not None for x in (per_class, fraction, size)) + bool(whole) > 1:
+        raise ConfigError("data.test: set at most one of per_class, fraction, size, whole")
+    if whole:
+        everything = np.arange(len(y_test), dtype=np.int64)
+        info_whole = {"fraction": None, "rule": "whole", "disjoint": False, "shared_classes": []}
+        return [everything.copy() for _ in train], info_whole
     # keys: class, or (domain, class) flattened when domains are given
     if test_domains is not None and train_domains_per_client is not None:
         d_test = np.asarray(test_domains, dtype=np.int64)

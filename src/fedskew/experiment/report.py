@@ -113,6 +113,17 @@ def markdown_table(groups: list[Group]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def seeds_cell(runs: list[RunResult], key: str = "accuracy", scale: float = 100.0) -> str:
+    """``mean ± std`` over seeds (sample std) of a final-round metric, in percent by default."""
+    vals = np.array([scale * r.summary["final"][key] for r in runs])
+    return f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
+
+
+def rounds_to(run: RunResult, target: float, key: str = "accuracy") -> int | None:
+    """First evaluated round whose ``key`` reaches ``target`` (Table III-style R_x%), or None."""
+    return next((m["round"] for m in run.metrics if (m.get(key) or 0) >= target), None)
+
+
 def mean_curve(group: Group, key: str) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Rounds at which any run of the group logged ``key``, and the mean and std over its runs there."""
     rounds = sorted({m["round"] for r in group.runs for m in r.metrics if m.get(key) is not None})

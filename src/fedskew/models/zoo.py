@@ -173,19 +173,25 @@ def cnn_fedproto(
 
 @_model("cnn_mnist")
 def cnn_mnist(
-    in_shape: tuple[int, ...], num_classes: int, *, dropout1: Prob = 0.25, dropout2: Prob = 0.5
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    dropout1: Prob = 0.25,
+    dropout2: Prob = 0.5,
+    padding: NonNegInt = 2,
 ) -> FedModel:
     """The FedAvg paper's MNIST CNN = FedEnt's MNIST-CNN (spec fedent §5.3): 1,663,370 params on MNIST.
 
     5x5 conv 32 ('same') -> 2x2 max-pool -> 5x5 conv 64 -> pool -> FC 512 (the embedding) | FC C. The
     dropout rates are the FedEnt spec's recommendation; set both to 0 for the FedAvg paper's literal net.
+    ``padding=0`` with no dropout is the FedSKC spec's EMNIST CNN (X2: FC 1024 -> 512 -> 47).
     """
     _need_image(in_shape, "cnn_mnist")
     conv = nn.Sequential(
-        nn.Conv2d(in_shape[0], 32, 5, padding=2),
+        nn.Conv2d(in_shape[0], 32, 5, padding=padding),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 5, padding=2),
+        nn.Conv2d(32, 64, 5, padding=padding),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),

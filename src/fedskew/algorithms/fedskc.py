@@ -1,0 +1,375 @@
+"""FedSKC (Wang et al., "FedSKC: Federated Learning with Non-IID Data via Structural Knowledge
+Collaboration"), implemented after ``shared/specs/fedskc.md``.
+
+Structural knowledge lives in the C-dimensional **logit** space (spec §2.0, S1):
+
+* **Local structural knowledge** (§2.1): after local training each client computes, per class it holds, the
+  mean logit vector of its final model and applies SiLU, ``c_k^j = c̄ ⊙ σ(c̄)``.
+* **Global structural knowledge** (Eq. 1, §2.2): per class, each participant's prototype is averaged with
+  those of its ``M`` nearest other participants (L2), and the merged prototypes are averaged.
+* **Local Contrastive Learning** (Eqs. 2–3, §2.3): ``L = L_CE + L_LCL`` with
+  ``L_LCL = CE([s(l_i, c̃^1)/τ, …, s(l_i, c̃^C)/τ], y_i)`` and ``s(l, c) = cos(l, c) / U_j``.
+* **Global Discrepancy Aggregation** (Eq. 4, §2.5): ``d_k = Σ_j ‖c_k^j − c̃^j‖``, ``a_k = d_k/Σd``,
+  ``b_k = N_k/ΣN``, ``e_k ∝ σ(N_k − a_k d_k + b_k)``, ``w = Σ e_k w_k``.
+* **Global Period Review** (Eq. 5, §2.6): ``γ_r`` = relative change of the summed per-class variance of the
+  global prototypes; ``w ← β w_agg + (1−β) γ_r (w_prev − w_agg)``.
+
+Two printed formulas are degenerate (spec G1, P1), so both forms are options and the logs show the
+difference:
+
+* ``gda_mode``: ``literal`` (raw ``N_k`` in the sigmoid: saturates to exactly uniform weights whenever
+  ``N_k ≳ 37``; default) or ``relative`` (``N_k → b_k``, i.e. ``σ(2 b_k − a_k d_k)``, the FedDisco form). In
+  development runs on ``digits`` the relative form put almost all weight on one or two clients (``a_k d_k``
+  is on the scale of the logit distances, ``b_k`` on the scale of 1/|A_r|) and cost 15–25 points, while the
+  literal form trains like uniform averaging, so the literal form is the default.
+* ``gpr_form``: ``literal`` (coefficients sum to β: the model also shrinks by β every round; on ``digits`` it
+  cost 20–40 points) or ``affine`` (``w_agg + (1−β) γ_r (w_prev − w_agg)``, a server step adapted to the
+  prototype variance; default).
+
+Open points, as the spec recommends (§6): prototypes from an eval-mode pass over the local data after
+training (S3); only present classes are uploaded, Eq. (1) runs over the participants holding the class with
+``M_eff = min(M, |P_j| − 1)``, absent classes carry over (S4); ``U_j`` per mini-batch, detached (L1, with
+``u_mode`` alternatives); LCL skipped until prototypes exist and restricted to classes with one (L3); batch
+means for both losses (L4); GDA on the server with the fresh ``c̃_r`` (G3) applied to every floating state
+entry (G2); GPR skipped in round 1, ``w_prev`` = the model broadcast this round (P2), population variance
+over the classes present in both rounds (P3). Component switches ``lcl``/``gda``/``gpr`` give Table V's
+ablation (all off is FedAvg).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    Batch,
+    ClientView,
+    HyperParams,
+    LocalResult,
+    Payload,
+    Phase,
+    State,
+    Upload,
+    model_tensors,
+    sample_weights,
+    weighted_average,
+)
+from fedskew.models.base import embed_in_chunks
+from fedskew.protos import class_means, pack
+
+_EPS = 1e-8
+
+
+def structural_knowledge(
+    logits: Tensor, labels: Tensor, num_classes: int, silu: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Local structural knowledge (§2.1): per-class mean logit vectors ``[C, C]``, then ``c ⊙ σ(c)``.
+
+    Returns ``(table, counts)``; classes without samples have a zero row and count 0.
+    """
+    means, counts = class_means(logits, labels, num_classes)
+    return (F.silu(means) if silu else means), counts
+
+
+def merge_nearest(protos: Tensor, present: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """Global structural knowledge, Eq. (1), for every class at once.
+
+    ``protos [K, C, D]`` client prototypes, ``present [K, C]`` which exist. For class j, participant k's
+    merged prototype is the mean of its own and its ``M_eff = min(M, |P_j| − 1)`` nearest other participants'
+    prototypes (L2; spec S4b), and ``c̃^j`` is the mean of the merged prototypes over ``P_j``. Returns
+    ``(global [C, D], has [C])``; classes nobody holds have a zero row and ``has=False``.
+    """
+    k, c, _ = protos.shape
+    per_class = protos.transpose(0, 1)  # [C, K, D]
+    dist = torch.cdist(per_class.double(), per_class.double())  # [C, K, K]
+    valid = present.T[:, :, None] & present.T[:, None, :]  # [C, K, K] both hold the class
+    valid &= ~torch.eye(k, dtype=torch.bool, device=protos.device)
+    dist = dist.masked_fill(~valid, float("inf"))
+    kk = min(m, k - 1)
+    merged = per_class.clone()
+    count = torch.ones(c, k, 1, dtype=protos.dtype, device=protos.device)
+    if kk > 0:
+        nn_dist, nn_idx = dist.topk(kk, dim=-1, largest=False)  # [C, K, M]
+        use = torch.isfinite(nn_dist).to(protos.dtype)  # fewer than M other holders: M_eff < M
+        gathered = torch.gather(
+            per_class[:, None].expand(c, k, k, -1),
+            2,
+            nn_idx[..., None].expand(-1, -1, -1, per_class.shape[-1]),
+        )  # [C, K, M, D]
+        merged = merged + (gathered * use[..., None]).sum(2)
+        count = count + use.sum(-1, keepdim=True)
+    merged = merged / count
+    holders = present.T.to(protos.dtype)  # [C, K]
+    n = holders.sum(1)
+    glob = (merged * holders[..., None]).sum(1) / n.clamp_min(1)[:, None]
+    return glob, n > 0
+
+
+def discrepancies(
+    protos: Tensor, present: Tensor, glob: Tensor, has: Tensor, per_class: bool = False
+) -> Tensor:
+    """``d_k = Σ_j ‖c_k^j − c̃^j‖₂`` over the client's classes that have a global prototype (Alg. 1 l. 18,
+    spec S4d); ``per_class=True`` rescales by ``C / |present_k|``. Returns ``[K]`` float64."""
+    use = present & has[None]
+    dist = (protos.double() - glob.double()[None]).norm(dim=-1) * use
+    d = dist.sum(1)
+    if per_class:
+        d = d * protos.shape[1] / use.sum(1).clamp_min(1)
+    return d
+
+
+def gda_weights(d: Tensor, n: Tensor, mode: str = "literal") -> Tensor:
+    """Eq. (4): ``e_k = σ(N_k − a_k d_k + b_k) / Σ_i σ(N_i − a_i d_i + b_i)`` with ``a_k = d_k/Σd`` and
+    ``b_k = N_k/ΣN`` over the participants. ``mode="relative"`` uses ``b_k`` for ``N_k`` (spec G1)."""
+    d, n = d.double(), n.double()
+    a = d / d.sum() if float(d.sum()) > 0 else torch.zeros_like(d)
+    b = n / n.sum()
+    size = n if mode == "literal" else b
+    s = torch.sigmoid(size - a * d + b)
+    return s / s.sum()
+
+
+def prototype_variance_change(glob: Tensor, prev: Tensor, common: Tensor) -> float:
+    """``γ_r = Σ_j (σ²_{r,j} − σ²_{r−1,j}) / Σ_j σ²_{r−1,j}`` (§2.6) over the ``common`` classes, with the
+    population variance of each prototype's C entries (spec P3)."""
+    var_now = glob[common].double().var(dim=1, unbiased=False)
+    var_prev = prev[common].double().var(dim=1, unbiased=False)
+    denom = float(var_prev.sum())
+    return float((var_now - var_prev).sum()) / denom if denom > 0 else 0.0
+
+
+def period_review(
+    aggregated: dict[str, Tensor], previous: dict[str, Tensor], gamma: float, beta: float, form: str
+) -> dict[str, Tensor]:
+    """Eq. (5) on every floating entry (integer buffers keep the aggregate, spec P1):
+    ``literal``: ``β w_agg + (1−β) γ (w_prev − w_agg)``; ``affine``: ``w_agg + (1−β) γ (w_prev − w_agg)``."""
+    scale = beta if form == "literal" else 1.0
+    step = (1.0 - beta) * gamma
+    out: dict[str, Tensor] = {}
+    for key, w in aggregated.items():
+        if w.is_floating_point():
+            out[key] = w * scale + step * (previous[key].to(w.device) - w)
+        else:
+            out[key] = w
+    return out
+
+
+def lcl_loss(
+    logits: Tensor, labels: Tensor, glob: Tensor, has: Tensor, tau: float, u: Tensor | None
+) -> Tensor:
+    """Eqs. (2)–(3): InfoNCE of each logit vector against the global prototypes, as
+    ``CE([cos(l_i, c̃^j)/U_j/τ]_j, y_i)`` over the classes with a prototype (spec L2–L3). ``u [C]`` is the
+    normaliser (``None``: per-batch ``U_j = mean_i ‖l_i − c̃^j‖``, detached, spec L1). Samples whose class has
+    no prototype are dropped; returns 0 if none is left."""
+    classes = torch.nonzero(has).flatten()
+    keep = has[labels]
+    if classes.numel() == 0 or not bool(keep.any()):
+        return logits.sum() * 0.0
+    anchors, y = logits[keep], labels[keep]
+    keys = glob[classes].to(anchors.dtype)
+    cos = F.normalize(anchors, dim=1) @ F.normalize(keys, dim=1).T  # [B, P]
+    u = torch.cdist(anchors.detach(), keys).mean(0) + _EPS if u is None else u[classes].to(anchors.dtype)
+    remap = torch.full((has.shape[0],), -1, dtype=torch.long, device=labels.device)
+    remap[classes] = torch.arange(classes.numel(), device=labels.device)
+    return F.cross_entropy(cos / u[None, :] / tau, remap[y])
+
+
+@ALGORITHMS.register("fedskc")
+class FedSKC(Algorithm):
+    """FedSKC: logit prototypes, local contrastive learning, discrepancy aggregation, period review."""
+
+    name = "fedskc"
+
+    class Params(HyperParams):
+        m: int = Field(1, ge=0, description="M, nearest clients merged in Eq. (1) (source: §IV-A, M=1)")
+        tau: float = Field(0.08, gt=0.0, description="LCL temperature τ, Eq. (3) (source: §IV-A, τ=0.08)")
+        beta: float = Field(
+            0.95, ge=0.0, le=1.0, description="GPR momentum β, Eq. (5) (source: §III-B/§IV-A, β=0.95)"
+        )
+        lcl: bool = Field(True, description="local contrastive learning on (Table V ablation switch)")
+        lcl_weight: float = Field(1.0, ge=0.0, description="weight of L_LCL (source: Alg. 1, L_CE + L_LCL)")
+        lcl_warmup: int = Field(
+            0, ge=0, description="LCL weight min(1, r/warmup) in round r (public code: 100; paper: none, 0)"
+        )
+        u_mode: Literal["batch", "round", "scalar", "none"] = Field(
+            "batch",
+            description="U of Eq. (2): per-batch U_j (spec L1), per-round U_j over D^k with the received "
+            "model, one per-batch scalar, or none (pure cosine, the public code)",
+        )
+        silu_anchor: bool = Field(False, description="also apply SiLU to the anchors l_i (spec S2 ablation)")
+        silu_protos: bool = Field(True, description="SiLU on the local prototypes (§2.1; off in public code)")
+        gda: bool = Field(True, description="global discrepancy aggregation on (off: FedAvg's n_k/n weights)")
+        gda_mode: Literal["literal", "relative"] = Field(
+            "literal",
+            description="Eq. (4) with raw N_k (literal: uniform weights once N_k > ~37) or the relative size "
+            "b_k (spec G1)",
+        )
+        discrepancy: Literal["sum", "per_class"] = Field(
+            "sum", description="d_k over the client's classes (spec S4d) or rescaled by C/|present_k|"
+        )
+        gpr: bool = Field(True, description="global period review on (Table V ablation switch)")
+        gpr_form: Literal["literal", "affine"] = Field(
+            "affine", description="Eq. (5) as printed (sums to β: shrinks the model) or sum-to-one (spec P1)"
+        )
+        gamma_clip: float | None = Field(
+            None, gt=0.0, description="clamp γ_r to [−clip, clip] (spec P1 optional safety; not in paper)"
+        )
+
+    p: Params
+
+    # ---------------------------------------------------------------- server
+    def init_server(self, model: nn.Module) -> State:
+        c = self.ctx.num_classes
+        state = super().init_server(model)
+        state.update(
+            protos=torch.zeros(c, c, device=self.ctx.device),  # c̃_{r−1}, broadcast to the next round
+            has=torch.zeros(c, dtype=torch.bool, device=self.ctx.device),
+            next_round=1,
+            diag={},
+        )
+        return state
+
+    def broadcast(self, server: State, cid: int | None) -> Payload:
+        payload = super().broadcast(server, cid)
+        if cid is not None:
+            payload.tensors.update(protos=server["protos"].clone(), has=server["has"].clone())
+            payload.scalars["round"] = float(server["next_round"])
+        return payload
+
+    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+        """Eq. (1) global prototypes, Eq. (4) aggregation weights, Eq. (5) period review (Alg. 1 l. 6–24)."""
+        dev = server["protos"].device
+        k, c = len(uploads), self.ctx.num_classes
+        local = torch.zeros(k, c, c, device=dev)
+        present = torch.zeros(k, c, dtype=torch.bool, device=dev)
+        for i, u in enumerate(uploads):
+            cls = u.payload.tensors["classes"].to(dev)
+            local[i, cls] = u.payload.tensors["protos"].to(dev)
+            present[i, cls] = True
+        glob, has = merge_nearest(local, present, self.p.m)
+        glob = torch.where(has[:, None], glob, server["protos"])  # spec S4c: carry absent classes over
+        has = has | server["has"]
+
+        n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
+        d = discrepancies(local, present, glob, has, self.p.discrepancy == "per_class").cpu()
+        fedavg = sample_weights(uploads)
+        weights = gda_weights(d, n, self.p.gda_mode) if self.p.gda else fedavg
+        states = [u.payload.model_state() for u in uploads]
+        new = weighted_average(states, weights)
+
+        common = has & server["has"]
+        gamma = float("nan")
+        if self.p.gpr and bool(common.any()):  # round 1 has no c̃_{r−1} (spec P2)
+            gamma = prototype_variance_change(glob, server["protos"], common)
+            if self.p.gamma_clip is not None:
+                gamma = max(-self.p.gamma_clip, min(self.p.gamma_clip, gamma))
+            new = period_review(new, server["weights"], gamma, self.p.beta, self.p.gpr_form)
+
+        uniform = torch.full_like(weights, 1.0 / k)
+        stats = {
+            key: sum(u.payload.scalars.get(key, 0.0) for u in uploads) / k for key in ("ce", "lcl", "lcl_u")
+        }
+        server.update(weights=new, protos=glob, has=has, next_round=round_idx + 1)
+        server["diag"] = {
+            "gda_weights": [round(float(w), 6) for w in weights],
+            "gda_weight_min": float(weights.min()),
+            "gda_weight_max": float(weights.max()),
+            "gda_l1_to_fedavg": float((weights - fedavg).abs().sum()),
+            "gda_l1_to_uniform": float((weights - uniform).abs().sum()),
+            "discrepancy_mean": float(d.mean()),
+            "gamma": gamma,
+            "proto_norm": float(glob[has].norm(dim=1).mean()) if bool(has.any()) else 0.0,
+            "ce_loss": stats["ce"],
+            "lcl_loss": stats["lcl"],
+            "lcl_u": stats["lcl_u"],
+        }
+        return server
+
+    def round_metrics(self, server: State) -> dict[str, float]:
+        return dict(server["diag"])
+
+    # ---------------------------------------------------------------- client
+    def _lcl_weight(self, payload: Payload) -> float:
+        if not self.p.lcl:
+            return 0.0
+        r = payload.scalars.get("round", 1.0)
+        ramp = min(1.0, r / self.p.lcl_warmup) if self.p.lcl_warmup > 0 else 1.0
+        return self.p.lcl_weight * ramp
+
+    def start_local(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+    ) -> list[Phase]:
+        phases = super().start_local(model, payload, state, client)
+        # Per-round U_j (spec L1 option i): mean distance of the received model's logits to each c̃^j.
+        if self.p.u_mode == "round" and bool(payload.tensors["has"].any()):
+            model.eval()
+            logits = embed_in_chunks(model, client.x)
+            model.train()
+            glob = payload.tensors["protos"].to(logits.device)
+            payload.tensors["u_round"] = torch.cdist(self._anchor(logits), glob).mean(0) + _EPS
+        return phases
+
+    def _anchor(self, logits: Tensor) -> Tensor:
+        return F.silu(logits) if self.p.silu_anchor else logits
+
+    def local_loss(
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+    ) -> Tensor:
+        logits = model(batch.x)
+        ce = F.cross_entropy(logits, batch.y)
+        weight = self._lcl_weight(payload)
+        has = payload.tensors["has"]
+        loss = ce
+        if batch.last_epoch:
+            scratch["ce"] = scratch.get("ce", 0.0) + ce.detach() * batch.y.numel()
+            scratch["n"] = scratch.get("n", 0) + batch.y.numel()
+        if weight > 0 and bool(has.any()):
+            glob = payload.tensors["protos"]
+            anchor = self._anchor(logits)
+            u = self._normaliser(anchor, glob, has, payload)
+            lcl = lcl_loss(anchor, batch.y, glob, has, self.p.tau, u)
+            loss = ce + weight * lcl
+            if batch.last_epoch:
+                scratch["lcl"] = scratch.get("lcl", 0.0) + lcl.detach() * batch.y.numel()
+                if u is not None:
+                    scratch["u"] = scratch.get("u", 0.0) + u[has].mean() * batch.y.numel()
+        return loss
+
+    def _normaliser(self, anchor: Tensor, glob: Tensor, has: Tensor, payload: Payload) -> Tensor:
+        """``U`` per class, ``[C]`` (Eq. 2 and spec L1)."""
+        if self.p.u_mode == "none":
+            return torch.ones(glob.shape[0], dtype=anchor.dtype, device=anchor.device)
+        if self.p.u_mode == "round":
+            return payload.tensors["u_round"]
+        dist = torch.cdist(anchor.detach(), glob.to(anchor.dtype))  # [B, C]
+        if self.p.u_mode == "scalar":
+            return dist[:, has].mean().expand(glob.shape[0]) + _EPS
+        return dist.mean(0) + _EPS
+
+    def finish_local(
+        self,
+        model: nn.Module,
+        payload: Payload,
+        state: State,
+        client: ClientView,
+        scratch: dict,
+        result: LocalResult,
+    ) -> Payload:
+        # Spec S3: an eval-mode pass over the local data with the final model (no augmentation).
+        model.eval()
+        logits = embed_in_chunks(model, client.x)
+        model.train()
+        table, counts = structural_knowledge(logits, client.y, self.ctx.num_classes, self.p.silu_protos)
+        classes, protos, _ = pack(table, counts)
+        n = max(int(scratch.get("n", 0)), 1)
+        scalars = {"ce": float(scratch.get("ce", 0.0)) / n, "lcl": float(scratch.get("lcl", 0.0)) / n}
+        scalars["lcl_u"] = float(scratch.get("u", 0.0)) / n
+        tensors = model_tensors(model.state_dict())
+        tensors.update(classes=classes, protos=protos.detach().clone())
+        return Payload(tensors=tensors, scalars=scalars)

@@ -1,0 +1,257 @@
+"""FedNH (Dai et al. 2023): prototype initialisation, the server's semantics infusion and the cosine logits
+on hand-built tensors, what crosses the network, validation, and end-to-end learning on digits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Batch,
+    ClientConfig,
+    ClientView,
+    Context,
+    LocalResult,
+    Payload,
+    Upload,
+)
+from fedskew.algorithms.fednh import (
+    SCALE,
+    cosine_logits,
+    infuse_semantics,
+    max_pairwise_cosine,
+    uniform_prototypes,
+)
+from fedskew.errors import ConfigError
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation
+from tests.conftest import TinyLinearModel as Lin
+from tests.conftest import digits_config
+
+
+def tiny_fednh(**params):
+    ctx = Context(
+        num_clients=2,
+        num_classes=3,
+        in_shape=(2,),
+        device=torch.device("cpu"),
+        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
+        client_sizes=torch.tensor([3, 3]),
+        class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
+        rounds=2,
+        seed=0,
+        build_model=lambda cid: Lin(),
+    )
+    cls = ALGORITHMS.get("fednh")
+    return cls(cls.Params(**params), ctx)
+
+
+# ------------------------------------------------------------------------------------ (1) initialisation
+@pytest.mark.parametrize(("c", "d"), [(10, 50), (10, 10), (100, 192)])
+def test_orthogonal_prototypes_are_unit_norm_and_mutually_orthogonal(c, d):
+    protos = uniform_prototypes(c, d, torch.Generator().manual_seed(1), "orthogonal")
+    assert protos.shape == (c, d)
+    assert torch.allclose(protos.norm(dim=1), torch.ones(c), atol=1e-5)
+    # C <= d: the code's orthonormal rows, every pairwise cosine 0 (random unit vectors in 50-d would reach
+    # a maximum |cos| around 0.4 for 45 pairs)
+    gram = protos.double() @ protos.double().T
+    assert torch.allclose(gram, torch.eye(c, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("c", "d", "bound"),
+    [
+        (10, 2, math.cos(2 * math.pi / 10) + 1e-3),  # optimum: the regular decagon, cos 36° = 0.809
+        (10, 9, -1 / 9 + 1e-3),  # C = d + 1: the regular simplex, cos = -1/(C-1)
+        (10, 3, 0.45),  # Tammes problem for 10 points on S²: min angle 66.15° (cos 0.404)
+    ],
+)
+def test_optimized_prototypes_reach_the_known_maximal_separation(c, d, bound):
+    protos = uniform_prototypes(c, d, torch.Generator().manual_seed(0), "optimized")
+    assert torch.allclose(protos.norm(dim=1), torch.ones(c), atol=1e-5)
+    assert max_pairwise_cosine(protos) <= bound
+    # random unit vectors do far worse (the bound is not vacuous)
+    rand = F.normalize(torch.randn(c, d, generator=torch.Generator().manual_seed(0)), dim=1)
+    assert max_pairwise_cosine(rand) > bound + 0.05
+
+
+def test_orthogonal_init_falls_back_to_optimized_when_classes_exceed_the_dimension():
+    protos = uniform_prototypes(10, 2, torch.Generator().manual_seed(0), "orthogonal")
+    assert max_pairwise_cosine(protos) <= math.cos(2 * math.pi / 10) + 1e-3
+
+
+def test_server_prototypes_are_seeded_and_the_head_is_not_sent():
+    alg = tiny_fednh(scale_init=7.0)
+    server = alg.init_server(Lin())
+    again = tiny_fednh().init_server(Lin())
+    assert torch.equal(server["protos"], again["protos"])  # deterministic in the run seed
+    # C = 3 > d = 2: the optimized init, here the regular simplex (three unit vectors at 120°, cos −1/2)
+    assert max_pairwise_cosine(server["protos"]) <= -0.5 + 1e-3
+    payload = alg.broadcast(server, 0)
+    assert set(payload.model_state()) == {"body.weight"}
+    assert payload.tensors["scale"].tolist() == [7.0]
+    assert torch.equal(payload.tensors["protos"], server["protos"])
+
+
+# ------------------------------------------------------------------------------------ (2) semantics infusion
+def test_semantics_infusion_matches_a_hand_computation():
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    # client A holds class 0 (3 samples) and class 1 (1); client B holds class 0 (1 sample); none class 2
+    classes = torch.tensor([0, 1, 0])
+    means = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.6, 0.8]])  # unit client means (code normalises them)
+    counts = torch.tensor([3, 1, 1])
+    new, updated = infuse_semantics(protos, classes, means, counts, rho=0.9)
+    # class 0: weighted mean (3·(0,1) + 1·(0.6,0.8))/4 = (0.15, 0.95) -> normalised (0.1560, 0.9878);
+    #   0.9·(1,0) + 0.1·(0.1560, 0.9878) = (0.9156, 0.09878) -> normalised
+    m0 = torch.tensor([0.15, 0.95]) / math.hypot(0.15, 0.95)
+    v0 = 0.9 * torch.tensor([1.0, 0.0]) + 0.1 * m0
+    # class 1: 0.9·(0,1) + 0.1·(1,0) = (0.1, 0.9) -> normalised
+    v1 = torch.tensor([0.1, 0.9])
+    expected = torch.stack([v0 / v0.norm(), v1 / v1.norm(), torch.tensor([-1.0, 0.0])])
+    assert torch.allclose(new, expected, atol=1e-6)
+    assert updated.tolist() == [True, True, False]
+    # without the code's normalisation of the mean: 0.9·(1,0) + 0.1·(0.15, 0.95), then normalised
+    raw, _ = infuse_semantics(protos, classes, means, counts, rho=0.9, normalize_means=False)
+    w0 = torch.tensor([0.9 + 0.015, 0.095])
+    assert torch.allclose(raw[0], w0 / w0.norm(), atol=1e-6)
+    # rho = 1 never moves a prototype (FedUH); rho = 0 jumps to the normalised mean
+    assert torch.equal(infuse_semantics(protos, classes, means, counts, rho=1.0)[0], protos)
+    assert torch.allclose(infuse_semantics(protos, classes, means, counts, rho=0.0)[0][0], m0, atol=1e-6)
+
+
+def test_client_upload_and_server_aggregate_on_a_tiny_federation():
+    alg = tiny_fednh(scale_init=2.0)
+    server = alg.init_server(Lin())
+    protos0 = server["protos"].clone()
+    head0 = server["weights"]["classifier.weight"].clone()
+    model = Lin()
+    uploads = []
+    body = {0: torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 1: torch.tensor([[2.0, 0.0], [0.0, -1.0]])}
+    data = {0: (torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 3.0]]), torch.tensor([0, 0, 1]))}
+    data[1] = (torch.tensor([[1.0, -1.0], [0.0, 2.0], [4.0, 0.0]]), torch.tensor([1, 2, 2]))
+    for cid, w in body.items():
+        payload = alg.broadcast(server, cid)
+        x, y = data[cid]
+        view = ClientView(cid, x, y, torch.bincount(y, minlength=3))
+        alg.start_local(model, payload, {}, view)
+        with torch.no_grad():  # stand-in for local training: set the weights and the scale
+            model.body.weight.copy_(w)
+            getattr(model, SCALE).fill_(3.0 + cid)
+        up = alg.finish_local(model, payload, {}, view, {}, LocalResult(1, 0.0, 0.1))
+        uploads.append(Upload(cid, 3, up))
+    # client 0: z = x (identity body): class 0 means of normalised (1,1)/√2 and (1,0), then normalised
+    u0 = uploads[0].payload.tensors
+    m = (torch.tensor([1.0, 1.0]) / math.sqrt(2) + torch.tensor([1.0, 0.0])) / 2
+    assert u0["classes"].tolist() == [0, 1] and u0["counts"].tolist() == [2, 1]
+    assert torch.allclose(u0["protos"], torch.stack([m / m.norm(), torch.tensor([0.0, 1.0])]), atol=1e-6)
+    assert "model.classifier.weight" not in u0 and set(uploads[0].payload.model_state()) == {"body.weight"}
+    server = alg.aggregate(server, uploads, 1)
+    # equal sample counts: body and s are the plain means
+    assert torch.allclose(server["weights"]["body.weight"], torch.tensor([[1.5, 0.0], [0.0, 0.0]]))
+    assert torch.allclose(server["scale"], torch.tensor([3.5]))
+    # class 2 (client 1 only, z = (2·0, −2) and (8, 0) -> normalised (0,−1), (1,0)): mean (0.5, −0.5)
+    t2 = F.normalize(torch.tensor([[0.5, -0.5]]), dim=1)[0]
+    v2 = 0.9 * protos0[2] + 0.1 * t2
+    assert torch.allclose(server["protos"][2], v2 / v2.norm(), atol=1e-6)
+    assert server["updated"] == 3 and server["shift"] > 0
+    assert torch.equal(server["weights"]["classifier.weight"], head0)  # the unused head is never aggregated
+
+
+# ------------------------------------------------------------------------------------ (3) local logits
+def test_local_logits_are_scale_times_cosine_and_only_the_body_and_scale_train():
+    alg = tiny_fednh(scale_init=4.0)
+    server = alg.init_server(Lin())
+    protos = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 4.0]])  # non-unit: cosine normalises them
+    server["protos"] = protos
+    payload = alg.broadcast(server, 0)
+    model = Lin()
+    x, y = torch.tensor([[1.0, 1.0], [3.0, -4.0]]), torch.tensor([0, 2])
+    view = ClientView(0, x, y, torch.bincount(y, minlength=3))
+    (phase,) = alg.start_local(model, payload, {}, view)
+    with torch.no_grad():
+        model.body.weight.copy_(torch.eye(2))
+    # z = x: cos((1,1), ·) = (1/√2, 1/√2, 1/(5√2)); cos((3,−4), ·) = (3/5, −4/5, −25/25)
+    r2 = 1 / math.sqrt(2)
+    expected = 4.0 * torch.tensor([[r2, r2, 0.2 * r2], [0.6, -0.8, -1.0]])
+    assert torch.allclose(cosine_logits(x, protos, 4.0), expected, atol=1e-6)
+    loss = alg.local_loss(model, Batch(x, y), payload, {}, {})
+    assert torch.allclose(loss, F.cross_entropy(expected, y), atol=1e-6)
+    assert torch.allclose(alg.predict(model, x, payload, None)["logits"], expected, atol=1e-6)
+    # the scale is a trainable parameter of the local model; the head is frozen
+    assert phase.trainable is not None
+    assert phase.trainable(SCALE) and phase.trainable("body.weight")
+    assert not phase.trainable("classifier.weight") and not phase.trainable("classifier.bias")
+    fixed = tiny_fednh(learn_scale=False)
+    (phase,) = fixed.start_local(Lin(), fixed.broadcast(fixed.init_server(Lin()), 0), {}, view)
+    assert phase.trainable is not None and not phase.trainable(SCALE)
+
+
+def test_scale_gradient_flows_and_a_fixed_scale_is_not_averaged():
+    alg = tiny_fednh(learn_scale=False, scale_init=5.0)
+    server = alg.init_server(Lin())
+    up = Payload(
+        tensors={
+            "model.body.weight": torch.eye(2),
+            "scale": torch.tensor([9.0]),
+            "classes": torch.tensor([0]),
+            "protos": torch.tensor([[1.0, 0.0]]),
+            "counts": torch.tensor([1]),
+        }
+    )
+    server = alg.aggregate(server, [Upload(0, 1, up)], 1)
+    assert server["scale"].tolist() == [5.0]
+
+
+# ------------------------------------------------------------------------------------ (5) validation
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("rho", 1.5, r"algorithm\.rho"),
+        ("scale_init", 0.0, r"algorithm\.scale_init"),
+        ("init", "random", r"algorithm\.init"),
+        ("smoothing", 0.9, r"unknown hyper-parameter of 'fednh'"),
+    ],
+)
+def test_bad_hyper_parameters_are_rejected_with_a_clear_error(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(digits_config(algorithm={"name": "fednh", key: value}))
+
+
+# ------------------------------------------------------------------------------------ (4) end to end
+def test_fednh_learns_on_digits_and_beats_its_initial_prototypes():
+    cfg = digits_config(
+        rounds=6,
+        model={"name": "cnn_fedproto", "padding": 2},
+        algorithm={"name": "fednh"},
+        eval={"protocol": "global", "every": 1},
+        checkpoint={"every": 0},
+    )
+    sim = build_simulation(build_config(cfg))
+    records = [sim.run_round().record for _ in range(6)]
+    acc = [r["accuracy"] for r in records if r is not None]
+    assert acc[-1] >= 0.7, acc  # chance 0.1; ~0.81 at seed 0 (FedAvg: ~0.46 in this setting)
+    assert acc[-1] > acc[0], acc
+    last = records[-1]
+    assert last is not None
+    assert last["fednh_scale"] > 1.0  # s is learned (from 1.0) and averaged
+    assert last["proto_updated"] > 0 and last["proto_shift_deg"] > 0  # the prototypes move
+    assert last["proto_max_cos"] < 0.99
+
+
+def test_only_body_scale_and_class_statistics_cross_the_network():
+    cfg = digits_config(rounds=1, algorithm={"name": "fednh"}, checkpoint={"every": 0})
+    sim = build_simulation(build_config(cfg))
+    model = sim.model_for(0)
+    head = {k for k in model.state_dict() if model.is_head(k)}
+    out = sim.train_client(0, 1)
+    assert out.upload is not None
+    up = out.upload.payload
+    assert set(up.model_state()) == set(model.state_dict()) - head - {SCALE}
+    held = torch.nonzero(sim.class_counts[0]).flatten()
+    assert torch.equal(up.tensors["classes"].cpu(), held)
+    assert torch.equal(up.tensors["counts"].cpu(), sim.class_counts[0][held].long())
+    assert torch.allclose(up.tensors["protos"].norm(dim=1), torch.ones(len(held)), atol=1e-5)

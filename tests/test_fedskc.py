@@ -1,0 +1,196 @@
+"""FedSKC: Eq. (1) merge, LCL (Eqs. 2–3), GDA (Eq. 4, both forms), GPR (Eq. 5, both forms), the uploaded
+structural knowledge, the ablation switches and learning on digits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.fedskc import (
+    discrepancies,
+    gda_weights,
+    lcl_loss,
+    merge_nearest,
+    period_review,
+    prototype_variance_change,
+    structural_knowledge,
+)
+from fedskew.errors import ConfigError
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.models.base import embed_in_chunks
+from tests.conftest import digits_config
+
+
+def hand_protos():
+    """3 clients, 3 classes, 2-d prototypes; class 1 held by clients 0 and 2, class 2 by client 1 only."""
+    protos = torch.zeros(3, 3, 2, dtype=torch.float64)
+    present = torch.zeros(3, 3, dtype=torch.bool)
+    for k, v in enumerate([(0.0, 0.0), (1.0, 0.0), (5.0, 0.0)]):
+        protos[k, 0], present[k, 0] = torch.tensor(v), True
+    protos[0, 1], protos[2, 1] = torch.tensor([0.0, 2.0]), torch.tensor([0.0, 4.0])
+    present[0, 1] = present[2, 1] = True
+    protos[1, 2], present[1, 2] = torch.tensor([7.0, 7.0]), True
+    return protos, present
+
+
+def test_eq1_merges_each_client_with_its_nearest_neighbour():
+    protos, present = hand_protos()
+    glob, has = merge_nearest(protos, present, m=1)
+    # class 0: nearest of 0 is 1, of 1 is 0, of 2 is 1 -> merged (0.5, 0.5, 3) -> mean 4/3
+    #   (closed form: (1 + indeg) weights 1, 2, 0 -> (0*2 + 1*3 + 5*1) / (3*2))
+    assert glob[0].tolist() == pytest.approx([4 / 3, 0.0])
+    assert glob[1].tolist() == pytest.approx([0.0, 3.0])  # two holders: each merged with the other
+    assert glob[2].tolist() == pytest.approx([7.0, 7.0])  # one holder: M_eff = 0
+    assert has.tolist() == [True, True, True]
+    plain, _ = merge_nearest(protos, present, m=0)  # M = 0 is the plain mean over holders
+    assert plain[0].tolist() == pytest.approx([2.0, 0.0])
+    everyone, _ = merge_nearest(protos, present, m=5)  # M >= holders - 1: every holder merges all
+    assert everyone[0].tolist() == pytest.approx([2.0, 0.0])
+
+
+def test_merge_marks_classes_nobody_holds():
+    protos, present = hand_protos()
+    present[1, 2] = False
+    glob, has = merge_nearest(protos, present, m=1)
+    assert has.tolist() == [True, True, False] and glob[2].abs().sum() == 0
+
+
+def lcl_by_hand(logits, labels, glob, tau):
+    """Eqs. (2)-(3) with U_j = mean_i ||l_i - c_j|| over the batch, batch mean."""
+    b, c = logits.shape[0], glob.shape[0]
+    u = [sum(float((logits[i] - glob[j]).norm()) for i in range(b)) / b for j in range(c)]
+    total = 0.0
+    for i in range(b):
+        s = [float(F.cosine_similarity(logits[i], glob[j], dim=0)) / u[j] / tau for j in range(c)]
+        total -= s[int(labels[i])] - math.log(sum(math.exp(v) for v in s))
+    return total / b
+
+
+def test_lcl_equals_the_spec_formula():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    glob = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 3, 1, 1, 2])
+    has = torch.ones(4, dtype=torch.bool)
+    got = lcl_loss(logits, labels, glob, has, tau=0.08, u=None)
+    assert float(got) == pytest.approx(lcl_by_hand(logits, labels, glob, 0.08), rel=1e-7)
+
+
+def test_lcl_skips_classes_without_prototypes_and_keeps_gradients_off_the_keys():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    glob = torch.randn(3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 2, 1, 2])
+    has = torch.tensor([True, False, True])
+    got = lcl_loss(logits, labels, glob, has, tau=0.5, u=None)
+    keep = torch.tensor([0, 1, 3])  # the class-1 sample is dropped; the softmax runs over classes 0 and 2
+    sub = glob[[0, 2]].detach()
+    expected = lcl_by_hand(logits[keep].detach(), torch.tensor([0, 1, 1]), sub, 0.5)
+    assert float(got.detach()) == pytest.approx(expected, rel=1e-7)
+    got.backward()
+    assert logits.grad is not None and logits.grad[2].abs().sum() == 0  # dropped sample: no gradient
+    none = lcl_loss(logits, labels, glob, torch.zeros(3, dtype=torch.bool), tau=0.5, u=None)
+    assert float(none) == 0.0  # round 1: no prototypes, no LCL (spec L3)
+
+
+def test_discrepancy_sums_distances_over_present_classes():
+    protos, present = hand_protos()
+    glob, has = merge_nearest(protos, present, m=1)
+    d = discrepancies(protos, present, glob, has)
+    assert d.tolist() == pytest.approx([4 / 3 + 1.0, 1 / 3 + 0.0, 11 / 3 + 1.0])
+    scaled = discrepancies(protos, present, glob, has, per_class=True)  # C / |present_k|
+    assert scaled.tolist() == pytest.approx([(7 / 3) * 3 / 2, (1 / 3) * 3 / 2, (14 / 3) * 3 / 2])
+
+
+def test_gda_weights_both_forms_by_hand():
+    d = torch.tensor([1.0, 2.0, 3.0])
+    n = torch.tensor([10.0, 20.0, 30.0])
+    a, b = [x / 6 for x in (1, 2, 3)], [x / 60 * 10 for x in (1, 2, 3)]
+    sig = [1 / (1 + math.exp(-v)) for v in (2 * b[0] - a[0] * 1, 2 * b[1] - a[1] * 2, 2 * b[2] - a[2] * 3)]
+    rel = gda_weights(d, n, "relative")
+    assert rel.tolist() == pytest.approx([s / sum(sig) for s in sig], rel=1e-12)
+    sig_lit = [1 / (1 + math.exp(-(nk - ak * dk + bk))) for nk, ak, dk, bk in zip(n, a, d, b, strict=True)]
+    lit = gda_weights(d, n, "literal")
+    assert lit.tolist() == pytest.approx([s / sum(sig_lit) for s in sig_lit], rel=1e-12)
+    for w in (rel, lit):
+        assert float(w.sum()) == pytest.approx(1.0, abs=1e-12)
+    # spec G1: with realistic client sizes the literal sigmoid saturates: exactly uniform weights
+    big = gda_weights(torch.tensor([5.0, 50.0, 9.0]), torch.tensor([300.0, 900.0, 2500.0]), "literal")
+    assert big.tolist() == [1 / 3, 1 / 3, 1 / 3]
+    assert rel[0] > rel[1] > rel[2]  # smaller discrepancy outweighs larger size here
+
+
+def test_gpr_gamma_and_both_update_forms():
+    glob = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
+    prev = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 1.0]])
+    gamma = prototype_variance_change(glob, prev, torch.tensor([True, True]))
+    assert gamma == pytest.approx(((2 / 3 - 2 / 3) + (2 - 2 / 9)) / (2 / 3 + 2 / 9))  # = 2
+    only_first = prototype_variance_change(glob, prev, torch.tensor([True, False]))
+    assert only_first == pytest.approx(0.0)
+    agg = {"w": torch.ones(2), "n": torch.tensor(7)}
+    old = {"w": torch.full((2,), 3.0), "n": torch.tensor(1)}
+    affine = period_review(agg, old, gamma, 0.95, "affine")
+    literal = period_review(agg, old, gamma, 0.95, "literal")
+    assert affine["w"].tolist() == pytest.approx([1.0 + 0.05 * 2 * 2] * 2)  # w + (1-β)γ(w_prev - w)
+    assert literal["w"].tolist() == pytest.approx([0.95 + 0.05 * 2 * 2] * 2)  # β w + (1-β)γ(w_prev - w)
+    assert int(affine["n"]) == 7 and int(literal["n"]) == 7  # integer buffers keep the aggregate
+
+
+def skc_config(algorithm: dict, **over) -> dict:
+    data = {"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}}
+    client = {"epochs": 2, "batch_size": 32, "lr": 0.05, "momentum": 0.0, "fraction": 0.5}
+    return digits_config(algorithm=algorithm, data=data, client=client, **over)
+
+
+def test_upload_is_silu_of_the_final_models_class_mean_logits():
+    sim = build_simulation(build_config(skc_config({"name": "fedskc"}, rounds=1)))
+    outcome = sim.train_client(0, 1)
+    view = sim.client_view(0)
+    model = sim.model_for(0)
+    sim.algorithm.load_model(model, outcome.upload.payload, None)
+    model.eval()
+    logits = embed_in_chunks(model, view.x)
+    table, _ = structural_knowledge(logits, view.y, 10)
+    classes = outcome.upload.payload.tensors["classes"]
+    assert classes.tolist() == torch.nonzero(view.class_counts > 0).flatten().tolist()
+    means = torch.stack([logits[view.y == c].mean(0) for c in classes.tolist()])
+    assert torch.allclose(outcome.upload.payload.tensors["protos"], means * torch.sigmoid(means), atol=1e-6)
+    assert torch.allclose(table[classes], outcome.upload.payload.tensors["protos"], atol=1e-6)
+
+
+def test_all_components_off_is_fedavg(tmp_path):
+    off = {"name": "fedskc", "lcl": False, "gda": False, "gpr": False}
+    a = run_experiment(build_config(skc_config(off, rounds=2)), tmp_path / "off")
+    b = run_experiment(build_config(skc_config({"name": "fedavg"}, rounds=2)), tmp_path / "avg")
+    assert a["final"]["accuracy"] == b["final"]["accuracy"]
+    assert a["final"]["loss"] == pytest.approx(b["final"]["loss"], rel=1e-6)
+
+
+def test_fedskc_learns_on_digits_and_logs_gda_and_gpr(tmp_path):
+    summary = run_experiment(build_config(skc_config({"name": "fedskc"}, rounds=10)), tmp_path / "skc")
+    assert summary["final"]["accuracy"] >= 0.8
+    rows = [json.loads(line) for line in (tmp_path / "skc" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["gamma"] is None and rows[0]["lcl_loss"] == 0.0  # round 1: no c̃ yet
+    assert all(math.isfinite(r["gamma"]) and r["lcl_loss"] > 0 for r in rows[1:])
+    for r in rows:  # literal Eq. (4) with ~150-sample clients: uniform weights, logged every round
+        assert r["gda_weights"] == pytest.approx([1 / 3] * 3) and r["gda_l1_to_uniform"] == pytest.approx(0)
+
+
+def test_relative_gda_and_literal_gpr_change_the_run(tmp_path):
+    base = run_experiment(build_config(skc_config({"name": "fedskc"}, rounds=3)), tmp_path / "b")
+    rel = {"name": "fedskc", "gda_mode": "relative", "gpr_form": "literal"}
+    other = run_experiment(build_config(skc_config(rel, rounds=3)), tmp_path / "r")
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["gda_l1_to_uniform"] > 1e-3 for r in rows)
+    assert sum(rows[-1]["gda_weights"]) == pytest.approx(1.0, abs=1e-5)
+    assert other["final"]["loss"] != base["final"]["loss"]
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ConfigError, match="gda_mode"):
+        build_config(skc_config({"name": "fedskc", "gda_mode": "fedavg"}))
