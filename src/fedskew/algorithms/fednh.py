@@ -69,9 +69,9 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
-from fedskew.engine.sampling import derive_seed
 from fedskew.models.base import FedModel, embed_in_chunks
 from fedskew.protos import aggregate_prototypes, class_means, pack
+from fedskew.seeding import derive_seed
 
 #: name of the scale parameter attached to the model for local training
 SCALE = "fednh_scale"
