@@ -175,6 +175,10 @@ class Algorithm:
     personalized_eval: ClassVar[bool] = False
     #: there is no global model (``local``): the config must ask for ``eval.protocol=personalized``
     requires_personalized_eval: ClassVar[bool] = False
+    #: ``local_loss`` is a pure function of (model, batch, payload, state): no per-client modules set up in
+    #: ``start_local``, no data-dependent branching, nothing kept in ``scratch`` across batches, so
+    #: ``engine.mode=vectorized`` may train the round's clients at once (fedskew.engine.vectorized)
+    vectorizable: ClassVar[bool] = False
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params

@@ -15,3 +15,4 @@ class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017): local SGD, sample-weighted model averaging."""
 
     name = "fedavg"
+    vectorizable = True

@@ -38,6 +38,7 @@ class FedDyn(Algorithm):
     """FedDyn (Acar et al. 2021): dynamic linear + quadratic regulariser, server state h."""
 
     name = "feddyn"
+    vectorizable = True
 
     class Params(HyperParams):
         alpha: float = Field(

@@ -44,6 +44,7 @@ class ServerOptimizer(Algorithm):
     """
 
     slots: ClassVar[tuple[str, ...]] = ("m",)
+    vectorizable = True
 
     def init_slot(self, slot: str, param: Tensor) -> Tensor:
         return torch.zeros_like(param)

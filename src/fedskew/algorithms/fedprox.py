@@ -33,6 +33,7 @@ class FedProx(Algorithm):
     """FedProx (Li et al. 2020): FedAvg plus a proximal term μ/2‖w − w_global‖² in the local loss."""
 
     name = "fedprox"
+    vectorizable = True
 
     class Params(HyperParams):
         mu: float = Field(

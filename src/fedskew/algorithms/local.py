@@ -30,6 +30,7 @@ class Local(Algorithm):
     """Local: each client trains a persistent personal model; no communication (0 bytes)."""
 
     name = "local"
+    vectorizable = True
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
 

@@ -43,6 +43,7 @@ class Scaffold(Algorithm):
     """SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct client drift."""
 
     name = "scaffold"
+    vectorizable = True
 
     class Params(HyperParams):
         server_lr: float = Field(

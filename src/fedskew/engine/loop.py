@@ -31,12 +31,16 @@ from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluation import HeadScores, score, segment_mean, summarize
 from fedskew.engine.local import NonFiniteLoss, run_phases
 from fedskew.engine.sampling import derive_seed, sampling_schedule
+from fedskew.engine.vectorized import NotVectorizable, train_vectorized, unsupported_reason
+from fedskew.engine.workers import WorkerPool, pool_supported
 from fedskew.errors import ConfigError
 
 log = logging.getLogger("fedskew.engine")
 
 PROTOCOLS = ("global", "personalized")
 INIT_KEY = 0xC0FFEE  # seed key of the initial model
+#: engine.mode=auto trains vectorized up to this many parameters and this batch size (issue 8 measurements)
+AUTO_VECTOR_MAX_PARAMS, AUTO_VECTOR_MAX_BATCH = 100_000, 16
 
 
 @dataclass
@@ -100,6 +104,9 @@ class Simulation:
         seed: int,
         device: str = "cpu",
         arch_key: Callable[[int | None], Hashable] = lambda cid: None,
+        workers: int = 1,
+        mode: str = "auto",
+        memory_mb: float = 1024.0,
     ) -> None:
         if evaluation.protocol not in PROTOCOLS:
             raise ConfigError(f"eval.protocol '{evaluation.protocol}' unknown; valid: {', '.join(PROTOCOLS)}")
@@ -149,6 +156,11 @@ class Simulation:
         self.bytes_up = 0
         self.bytes_down = 0
         self.times = RoundTimes()
+        self.workers = workers
+        self.mode = mode
+        self.memory_mb = memory_mb
+        self._pool: WorkerPool | None = None
+        self._resolved: str | None = None  # the execution mode, decided on the first round
 
     # ------------------------------------------------------------------ models and state
     def _initial_model(self, cid: int | None) -> nn.Module:
@@ -206,6 +218,63 @@ class Simulation:
         out.loss = result.loss
         return out
 
+    def _resolve_mode(self, cids: list[int]) -> str:
+        """``vectorized``, ``workers`` or ``sequential`` from ``engine.mode``, ``engine.workers`` and the
+        workload; the choice and the reason are logged. ``engine.workers > 1`` applies whenever clients are
+        not trained vectorized."""
+        model = self.model_for(cids[0])
+        vec_reason = unsupported_reason(self, model)
+        params = sum(p.numel() for p in model.parameters())
+        dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+        if self.mode == "vectorized" and vec_reason is not None:
+            log.warning("engine.mode=vectorized: %s", vec_reason)
+        # auto: the measured rule of issue 8 (vmap wins on small models at small batches and loses on large
+        # convolutions), and only where it reproduces the sequential loop's numbers (no dropout stream)
+        small = params <= AUTO_VECTOR_MAX_PARAMS and self.client_cfg.batch_size <= AUTO_VECTOR_MAX_BATCH
+        if vec_reason is None and (
+            self.mode == "vectorized" or (self.mode == "auto" and small and not dropout)
+        ):
+            choice, why = "vectorized", f"{params:,} parameters, batch {self.client_cfg.batch_size}"
+        elif self.workers > 1 and (pool_reason := pool_supported(self)) is None:
+            choice, why = "workers", f"{self.workers} processes"
+        else:
+            reasons = [r for r in (vec_reason, pool_reason if self.workers > 1 else None) if r]
+            choice, why = "sequential", "; ".join(reasons) or "engine.workers=1"
+        log.info("engine.mode=%s: training clients %s (%s)", self.mode, choice, why)
+        return choice
+
+    def _train_clients(self, cids: list[int], round_idx: int) -> list[ClientOutcome]:
+        """Local training of the round's clients: in-process, vectorized, or over forked workers."""
+        if self._resolved is None and cids:
+            self._resolved = self._resolve_mode(cids)
+        if self._resolved == "vectorized" and len(cids) > 1:
+            return self._train_vectorized(cids, round_idx)
+        if self._resolved == "workers" and len(cids) > 1:
+            if self._pool is None:
+                self._pool = WorkerPool(self, min(self.workers, self.num_clients))
+            return self._pool.train(self, cids, round_idx, lambda cid: float(self.train_idx[cid].numel()))
+        return [self.train_client(cid, round_idx) for cid in cids]
+
+    def _train_vectorized(self, cids: list[int], round_idx: int) -> list[ClientOutcome]:
+        groups: dict[Hashable, list[int]] = {}
+        for cid in cids:
+            groups.setdefault(self._arch_key(cid), []).append(cid)
+        done: dict[int, ClientOutcome] = {}
+        for members in groups.values():
+            try:
+                outs = train_vectorized(self, members, round_idx)
+            except NotVectorizable as err:
+                log.warning("round %d: %s; these clients train sequentially", round_idx, err)
+                outs = [self.train_client(cid, round_idx) for cid in members]
+            done.update((o.cid, o) for o in outs)
+        return [done[c] for c in cids]
+
+    def close(self) -> None:
+        """Release the worker processes, if any (the simulation stays usable, in-process)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
     def run_round(self) -> RoundOutcome:
         """Run the next round; evaluates when ``round % eval.every == 0`` or at the last round.
 
@@ -214,7 +283,7 @@ class Simulation:
         """
         r = self.round + 1
         t0 = time.perf_counter()
-        outcomes = [self.train_client(cid, r) for cid in self.schedule[r - 1].tolist()]
+        outcomes = self._train_clients(self.schedule[r - 1].tolist(), r)
         uploads = [o.upload for o in outcomes if o.upload is not None]
         t1 = time.perf_counter()
         server = self.algorithm.aggregate(self.server, uploads, r) if uploads else self.server

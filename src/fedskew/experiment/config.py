@@ -97,11 +97,17 @@ class EvalSection(_Strict):
 
 
 class EngineSection(_Strict):
-    mode: Literal["auto", "sequential"] = Field(
-        "auto", description="client execution: auto picks the fastest available (sequential today)"
+    mode: Literal["auto", "sequential", "vectorized"] = Field(
+        "auto",
+        description="client execution: sequential, vectorized (torch.func over the sampled clients), or "
+        "auto (vectorized for small dropout-free models at small batches, else workers if > 1, else "
+        "sequential)",
     )
-    workers: int = Field(1, ge=1, le=1, description="worker processes (1: in-process)")
+    workers: int = Field(
+        1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
+    )
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
 
     @field_validator("device")
     @classmethod

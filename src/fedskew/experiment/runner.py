@@ -102,6 +102,9 @@ def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulati
         rounds=cfg.rounds,
         seed=cfg.seed,
         device=device,
+        workers=cfg.engine.workers,
+        mode=cfg.engine.mode,
+        memory_mb=cfg.engine.memory_mb,
     )
 
 
@@ -222,6 +225,8 @@ def run_experiment(
         if out_dir is not None and sim.round > 0:
             save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0)
         raise
+    finally:
+        sim.close()
     wall = elapsed0 + time.perf_counter() - t0
     summary = make_summary(cfg, sim, wall)
     if out_dir is not None:

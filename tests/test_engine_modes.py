@@ -1,0 +1,137 @@
+"""Engine modes: forked workers (engine.workers) and vectorized training (engine.mode=vectorized) give the
+sequential loop's results; fallbacks say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedskew.algorithms.fedavg import FedAvg
+from fedskew.engine import loop
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation, run_experiment
+from tests.conftest import digits_config
+
+
+def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequential", **client) -> dict:
+    cfg = digits_config(
+        rounds=rounds,
+        algorithm={"name": alg},
+        engine={"workers": workers, "mode": mode},
+        data={"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}},
+        client={"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5, "fraction": 0.67, **client},
+    )
+    if alg == "fedproto":
+        cfg["eval"] = {"protocol": "personalized", "every": 1}
+    return cfg
+
+
+@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "moon", "fedproto"])
+def test_workers_match_the_sequential_loop(tmp_path, alg):
+    seq = build_simulation(build_config(worker_config(alg, 1)))
+    par = build_simulation(build_config(worker_config(alg, 2)))
+    try:
+        for _ in range(2):
+            a, b = seq.run_round().record, par.run_round().record
+            assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert par._pool is not None and len(par._pool.procs) == 2  # really ran in workers
+        for key, value in seq.server.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.allclose(value, par.server[key], rtol=1e-5, atol=1e-7)
+        assert seq.client_states.keys() == par.client_states.keys()
+    finally:
+        par.close()
+    assert par._pool is None
+
+
+def test_worker_errors_reach_the_parent(tmp_path, monkeypatch):
+    def boom(self, model, batch, payload, state, scratch):
+        raise ValueError("broken loss")
+
+    monkeypatch.setattr(FedAvg, "local_loss", boom)
+    with pytest.raises(ValueError, match="broken loss"):
+        run_experiment(build_config(worker_config("fedavg", 2)), tmp_path / "run")
+
+
+def test_unsupported_device_falls_back_in_process(monkeypatch, caplog):
+    sim = build_simulation(build_config(worker_config("fedavg", 2, rounds=1)))
+    monkeypatch.setattr(loop, "pool_supported", lambda s: "engine.workers > 1 needs engine.device=cpu")
+    with caplog.at_level("INFO", logger="fedskew.engine"):
+        sim.run_round()
+    assert sim._pool is None and sim._resolved == "sequential"
+    assert "needs engine.device=cpu" in caplog.text
+
+
+@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam"])
+def test_vectorized_matches_the_sequential_loop(alg):
+    # ragged clients (Dirichlet sizes, a short last batch), 2 epochs, momentum and weight decay
+    opts = {"epochs": 2, "batch_size": 16, "weight_decay": 1e-3}
+    seq = build_simulation(build_config(worker_config(alg, 1, **opts)))
+    vec = build_simulation(build_config(worker_config(alg, 1, mode="vectorized", **opts)))
+    for _ in range(2):
+        a, b = seq.run_round().record, vec.run_round().record
+        for key in ("accuracy", "loss", "train_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5)
+    assert vec._resolved == "vectorized"
+    for key, value in seq.server.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.allclose(value, vec.server[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg", ["moon", "fedproto"])
+def test_vectorized_falls_back_for_stateful_losses(alg, caplog):
+    with caplog.at_level("WARNING", logger="fedskew.engine"):
+        sim = build_simulation(build_config(worker_config(alg, 1, rounds=1, mode="vectorized")))
+        sim.run_round()
+    assert sim._resolved == "sequential" and f"{alg}'s local loss" in caplog.text
+
+
+def test_vectorized_refuses_batchnorm_running_statistics(caplog):
+    cfg = worker_config("fedavg", 1, rounds=1, mode="vectorized")
+    cfg["model"] = {"name": "resnet8", "width": 4}
+    cfg["data"]["dataset"] = "digits"
+    with caplog.at_level("WARNING", logger="fedskew.engine"):
+        sim = build_simulation(build_config(cfg))
+        sim.run_round()
+    assert sim._resolved == "sequential" and "BatchNorm" in caplog.text
+
+
+def test_auto_vectorizes_small_dropout_free_models_only():
+    small = worker_config("fedavg", 1, rounds=1, mode="auto", batch_size=8)
+    small["model"] = {"name": "cnn_fedproto", "padding": 2, "dropout": 0.0}  # 21.8k parameters
+    sim = build_simulation(build_config(small))
+    sim.run_round()
+    assert sim._resolved == "vectorized"
+    dropout = dict(small, model={"name": "cnn_fedproto", "padding": 2})
+    sim = build_simulation(build_config(dropout))
+    sim.run_round()
+    assert sim._resolved == "sequential"  # vmap's dropout stream would change the numbers
+    large = worker_config("fedavg", 2, rounds=1, mode="auto")  # 430k-parameter MLP
+    sim = build_simulation(build_config(large))
+    try:
+        sim.run_round()
+        assert sim._resolved == "workers"
+    finally:
+        sim.close()
+
+
+def test_largest_clients_go_out_first(monkeypatch):
+    sim = build_simulation(build_config(worker_config("fedavg", 2, rounds=1)))
+    sent: list[int] = []
+    real_state = sim.client_state
+
+    def spy(cid):
+        sent.append(cid)
+        return real_state(cid)
+
+    monkeypatch.setattr(sim, "client_state", spy)
+    try:
+        cids = sim.schedule[0].tolist()
+        sim._train_clients(cids, 1)
+        sizes = [sim.train_idx[c].numel() for c in sent[:2]]
+        others = [sim.train_idx[c].numel() for c in cids if c not in sent[:2]]
+        assert min(sizes) >= max(others)  # the first two tasks are the two largest clients
+    finally:
+        sim.close()
