@@ -62,7 +62,6 @@ def final(r: RunResult) -> float:
 def main_table(runs: dict[str, list[RunResult]]) -> None:
     print("| Method | " + " | ".join(label for _, label in SETTINGS) + " |")
     print("|---|" + "---|" * len(SETTINGS))
-    avg = {s: np.mean([final(r) for r in runs.get(f"{s}-fedavg", [])] or [np.nan]) for s, _ in SETTINGS}
     for label, m in METHODS:
         cells = []
         for s, _ in SETTINGS:
@@ -70,7 +69,7 @@ def main_table(runs: dict[str, list[RunResult]]) -> None:
             if not rs:
                 cells.append("—")
                 continue
-            gap = np.mean([final(r) for r in rs]) - avg[s]
+            gap = paired_gap(rs, runs.get(f"{s}-fedavg", []))
             cells.append(
                 f"{seeds_cell(rs)} ({gap:+.2f}) [{len(rs)}]"
                 if m != "fedavg"
@@ -113,15 +112,24 @@ def convergence(runs: dict[str, list[RunResult]], setting: str) -> None:
         print(f"| {label} | {' | '.join(cells)} | {seeds_cell(rs)} |")
 
 
+def paired_gap(rs: list[RunResult], base: list[RunResult]) -> float:
+    """Mean over the seeds both have of (run − base): seed-matched, so partial seed sets stay comparable."""
+    by_seed = {r.config["seed"]: final(r) for r in base}
+    diffs = [final(r) - by_seed[r.config["seed"]] for r in rs if r.config["seed"] in by_seed]
+    return float(np.mean(diffs)) if diffs else float("nan")
+
+
 def ablation(runs: dict[str, list[RunResult]]) -> None:
-    print("| LCL | GDA | GPR | what | final accuracy | Δ vs FedAvg | seeds |")
+    print("| LCL | GDA | GPR | what | final accuracy | Δ vs FedAvg (same seeds) | seeds |")
     print("|---|---|---|---|---|---|---|")
-    base = np.mean([final(r) for r in runs.get("fmnist-dir0.2-fedavg", [])] or [np.nan])
+    base = runs.get("fmnist-dir0.2-fedavg", [])
     for lcl, gda, gpr, what, name in ABLATIONS:
         rs = runs.get(name, [])
         if rs:
-            delta = np.mean([final(r) for r in rs]) - base
-            print(f"| {lcl} | {gda} | {gpr} | {what} | {seeds_cell(rs)} | {delta:+.2f} | {len(rs)} |")
+            print(
+                f"| {lcl} | {gda} | {gpr} | {what} | {seeds_cell(rs)} | {paired_gap(rs, base):+.2f} "
+                f"| {len(rs)} |"
+            )
 
 
 def diag_mean(r: RunResult, key: str, start: int = 1) -> float:

@@ -1,0 +1,285 @@
+"""Seconds per round of fedskew's engine modes against Flower's simulation engine, side by side (issue 8).
+
+Workloads (MNIST under ``$FEDSKEW_DATA``):
+
+* W1: FedAvg, ``cnn_mnist``, 20 clients Dirichlet(0.5), 1 epoch, batch 32, all clients every round;
+* W2: FedProto, ``nway_kshot`` n=3 (k=100, stdev 2), 20 clients, ``cnn_fedproto``, batch 8;
+* W3: FedAvg, ``mlp_mpfedcl``, 1,000 clients (Dirichlet 0.5), 10% per round, batch 32; plus the round time
+  at 50 / 100 / 200 participating clients (how it grows).
+
+Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``auto``) each run is a
+fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest worker). Reported:
+``seconds_per_round`` (evaluation off, median of the timed rounds after a warm-up round),
+``seconds_per_round_eval`` (the engine's default evaluation on: the global 10k test set every round),
+``samples_per_second``, ``ceiling_fraction`` (training GFLOP/s against the faster of the ``mm`` and 1x1-conv
+GEMM ceilings, measured in the same process) and ``flower_seconds_per_round`` (Flower, evaluation off, and
+``flower_seconds_per_round_eval`` with its default federated evaluation on every sampled client).
+
+    python benchmarks/engine_speed.py                 # all workloads, 3 timed rounds
+    python benchmarks/engine_speed.py --quick         # 1 timed round, 10% of each client's data (W1, W2)
+    python benchmarks/engine_speed.py --workloads W2 --no-flower
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_data, build_simulation
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from round_speed import gemm_ceilings, shrink, train_flops_per_sample  # noqa: E402
+
+MODES = ["sequential", "workers", "vectorized", "auto"]
+
+
+def workload_config(name: str, participating: int | None = None) -> dict[str, Any]:
+    base: dict[str, Any] = {"seed": 0, "rounds": 10**6, "checkpoint": {"every": 0}, "eval": {"every": 1}}
+    if name == "W1":
+        base.update(
+            data={"dataset": "mnist", "num_clients": 20, "partition": {"name": "dirichlet", "alpha": 0.5}},
+            model={"name": "cnn_mnist"},
+            algorithm={"name": "fedavg"},
+            client={"epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.5},
+        )
+    elif name == "W2":
+        base.update(
+            data={
+                "dataset": "mnist",
+                "num_clients": 20,
+                "partition": {"name": "nway_kshot", "n": 3, "stdev": 2, "k": 100},
+                "test": {"per_class": 40},
+            },
+            model={"name": "cnn_fedproto"},
+            algorithm={"name": "fedproto", "lam": 1.0},
+            client={"epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.5},
+            eval={"protocol": "personalized", "every": 1},
+        )
+    elif name == "W3":
+        frac = (participating or 100) / 1000
+        base.update(
+            data={
+                "dataset": "mnist",
+                "num_clients": 1000,
+                "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
+            },
+            model={"name": "mlp_mpfedcl"},
+            algorithm={"name": "fedavg"},
+            client={"epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.5, "fraction": frac},
+        )
+    else:
+        raise SystemExit(f"unknown workload {name!r}; allowed: W1, W2, W3")
+    return base
+
+
+def _with_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    engine = {
+        "mode": "auto" if mode == "workers" else mode,
+        "workers": cores if mode in ("workers", "auto") else 1,
+    }
+    if mode == "workers":
+        engine["mode"] = "sequential"
+    return dict(cfg, engine=engine)
+
+
+def _timed(sim: Any, rounds: int, evaluate: bool) -> float:
+    sim.eval.every = 1 if evaluate else 10**9
+    sim.run_round()  # warm-up (forks the workers, builds the vmapped step)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        sim.run_round()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_one(
+    workload: str, mode: str, rounds: int, quick: bool, participating: int | None
+) -> dict[str, Any]:
+    """One (workload, mode) in this process: timings, throughput, ceiling fraction, peak RSS."""
+    cfg = build_config(_with_mode(workload_config(workload, participating), mode))
+    fd = build_data(cfg)
+    if quick and workload != "W3":
+        shrink(fd, 0.1)
+    sim = build_simulation(cfg, fd)
+    try:
+        off = _timed(sim, rounds, evaluate=False)
+        on = _timed(sim, rounds, evaluate=True)
+        resolved = sim._resolved
+    finally:
+        sim.close()
+    per_round = int(sum(sim.train_idx[c].numel() for c in sim.schedule[0].tolist())) * cfg.client.epochs
+    model = sim.model_for(0)
+    fps = train_flops_per_sample(
+        model, sim.x_train[: cfg.client.batch_size], sim.y_train[: cfg.client.batch_size]
+    )
+    mm, conv = gemm_ceilings()
+    gflops = fps * per_round / off / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {
+        "workload": workload,
+        "mode": mode,
+        "resolved": resolved,
+        "participating": len(sim.schedule[0]),
+        "seconds_per_round": off,
+        "seconds_per_round_eval": on,
+        "samples_per_second": per_round / off,
+        "gflops": gflops,
+        "ceiling_gflops": max(mm, conv),
+        "ceiling_fraction": gflops / max(mm, conv),
+        "peak_rss_bytes": rss + child,
+    }
+
+
+def write_bundle(workload: str, quick: bool, path: Path, participating: int | None) -> dict[str, Any]:
+    """The workload's tensors, partition and settings for the Flower side (same data, model, hyper-params)."""
+    cfg = build_config(workload_config(workload, participating))
+    fd = build_data(cfg)
+    if quick and workload != "W3":
+        shrink(fd, 0.1)
+    ds = fd.dataset
+    n = len(fd.train_idx)
+    test = torch.arange(ds.y_test.numel()).chunk(n)  # Flower's default evaluation: every client a shard
+    bundle = {
+        "x_train": ds.x_train,
+        "y_train": ds.y_train,
+        "x_test": ds.x_test,
+        "y_test": ds.y_test,
+        "train_idx": fd.train_idx,
+        "test_idx": list(test),
+        "in_shape": ds.in_shape,
+        "num_classes": ds.num_classes,
+        "model": cfg.model.name,
+        "model_options": cfg.model.options(),
+        "algorithm": cfg.algorithm.name,
+        "lam": 1.0,
+        "epochs": cfg.client.epochs,
+        "batch_size": cfg.client.batch_size,
+        "lr": cfg.client.lr,
+        "momentum": cfg.client.momentum,
+        "fraction": cfg.client.fraction,
+        "num_clients": n,
+        "mean": torch.tensor(ds.mean).view(-1, 1, 1),
+        "std": torch.tensor(ds.std).view(-1, 1, 1),
+    }
+    torch.save(bundle, path)
+    return bundle
+
+
+def run_subprocess(args: list[str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark subprocess {args} failed:\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 timed round; 10%% of each client's data (W1, W2)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode")
+    ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3"])
+    ap.add_argument("--modes", nargs="+", default=MODES)
+    ap.add_argument("--no-flower", action="store_true", help="skip the Flower side")
+    ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--flower", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    ap.add_argument("--participating", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], args.one[1], rounds, args.quick, args.participating)))
+        return
+    if args.flower:
+        from flower_peer import flower_seconds_per_round
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "bundle.pt"
+            b = write_bundle(args.flower, args.quick, path, args.participating)
+            cpus = os.cpu_count() or 1
+            res = {
+                "flower_seconds_per_round": flower_seconds_per_round(
+                    path, rounds + 1, False, b["num_clients"], cpus
+                )
+            }
+            res["flower_seconds_per_round_eval"] = flower_seconds_per_round(
+                path, rounds + 1, True, b["num_clients"], cpus
+            )
+        print(json.dumps(res))
+        return
+    extra = ["--quick"] if args.quick else []
+    extra += ["--rounds", str(rounds)]
+    for workload in args.workloads:
+        rows = [run_subprocess(["--one", workload, mode, *extra]) for mode in args.modes]
+        flower: dict[str, Any] = {}
+        if not args.no_flower:
+            try:
+                flower = run_subprocess(["--flower", workload, *extra])
+            except RuntimeError as err:
+                print(f"{workload}: Flower side failed ({str(err).splitlines()[0]})")
+        scaling = []
+        if workload == "W3":
+            for k in (50, 100, 200):
+                scaling.append(run_subprocess(["--one", "W3", "auto", "--participating", str(k), *extra]))
+        report(workload, rows, flower, scaling, args.quick)
+
+
+def report(workload: str, rows: list[dict], flower: dict, scaling: list[dict], quick: bool) -> None:
+    head = (
+        f"{'mode':<12}{'ran as':<12}{'s/round':>9}{'eval on':>9}{'samples/s':>11}{'ceil':>7}{'peak RSS':>10}"
+    )
+    print(f"\n{workload}" + (" (quick)" if quick else ""))
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['mode']:<12}{r['resolved']:<12}{r['seconds_per_round']:>9.3f}"
+            f"{r['seconds_per_round_eval']:>9.3f}{r['samples_per_second']:>11.0f}"
+            f"{100 * r['ceiling_fraction']:>6.1f}%{r['peak_rss_bytes'] / 2**30:>9.2f}G"
+        )
+    if flower:
+        best = min(rows, key=lambda r: r["seconds_per_round"])
+        best_eval = min(rows, key=lambda r: r["seconds_per_round_eval"])
+        f_off, f_on = flower["flower_seconds_per_round"], flower["flower_seconds_per_round_eval"]
+        print(f"{'flower':<24}{f_off:>9.3f}{f_on:>9.3f}")
+        print(
+            f"speed-up vs Flower: {f_off / best['seconds_per_round']:.2f}x eval off ({best['mode']}), "
+            f"{f_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
+        )
+    for s in scaling:
+        print(
+            f"W3 with {s['participating']:>4} clients per round: {s['seconds_per_round']:.3f} s "
+            f"({s['seconds_per_round'] / s['participating'] * 1000:.1f} ms per client, {s['resolved']})"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"engine_{workload.lower()}{'_quick' if quick else ''}.json"
+    payload = {
+        "workload": workload,
+        "modes": rows,
+        **flower,
+        "scaling": scaling,
+        "quick": quick,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
