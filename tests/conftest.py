@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from fedskew.algorithms.base import ClientConfig, Context
 from fedskew.models.base import FedModel
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
@@ -55,3 +56,19 @@ class TinyLinearModel(FedModel):
 
     def head(self, z: Tensor) -> Tensor:
         return self.classifier(z)
+
+
+def tiny_context() -> Context:
+    """Two clients, three classes, 2-d inputs and :class:`TinyLinearModel`: hook-level algorithm tests."""
+    return Context(
+        num_clients=2,
+        num_classes=3,
+        in_shape=(2,),
+        device=torch.device("cpu"),
+        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
+        client_sizes=torch.tensor([3, 3]),
+        class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
+        rounds=2,
+        seed=0,
+        build_model=lambda cid: TinyLinearModel(),
+    )

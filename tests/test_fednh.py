@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Batch,
-    ClientConfig,
     ClientView,
-    Context,
     LocalResult,
     Payload,
     Upload,
@@ -30,22 +28,11 @@ from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation
 from tests.conftest import TinyLinearModel as Lin
-from tests.conftest import digits_config
+from tests.conftest import digits_config, tiny_context
 
 
 def tiny_fednh(**params):
-    ctx = Context(
-        num_clients=2,
-        num_classes=3,
-        in_shape=(2,),
-        device=torch.device("cpu"),
-        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
-        client_sizes=torch.tensor([3, 3]),
-        class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
-        rounds=2,
-        seed=0,
-        build_model=lambda cid: Lin(),
-    )
+    ctx = tiny_context()
     cls = ALGORITHMS.get("fednh")
     return cls(cls.Params(**params), ctx)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, Batch, ClientConfig, Context, Payload
+from fedskew.algorithms.base import ALGORITHMS, Batch, Context, Payload
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.fedproto import prototype_regularizer
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.models.base import MODELS, count_parameters
 from tests.conftest import TinyLinearModel as Lin
-from tests.conftest import digits_config
+from tests.conftest import digits_config, tiny_context
 
 MH = {"0-1": {"conv2_channels": 18}, "2-3": {"conv2_channels": 20}, "4-5": {"conv2_channels": 22}}
 
@@ -40,18 +40,7 @@ def kshot_config(algorithm: dict, rounds: int = 3, **over) -> dict:
 
 
 def tiny_ctx() -> Context:
-    return Context(
-        num_clients=2,
-        num_classes=3,
-        in_shape=(2,),
-        device=torch.device("cpu"),
-        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
-        client_sizes=torch.tensor([3, 3]),
-        class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
-        rounds=2,
-        seed=0,
-        build_model=lambda cid: Lin(),
-    )
+    return tiny_context()
 
 
 def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():

@@ -78,6 +78,31 @@ def main_table(runs: dict[str, list[RunResult]]) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def tail_mean(r: RunResult, k: int = 5) -> float:
+    """Mean accuracy (%) of the last ``k`` evaluated rounds: a smoother secondary metric than the final
+    round under partial participation (never a best-round pick)."""
+    last = r.summary["rounds"]
+    acc = [m["accuracy"] for m in r.metrics if m.get("accuracy") is not None and m["round"] > last - k]
+    return 100 * float(np.mean(acc))  # FedProto, evaluated every 5 rounds: its final round only
+
+
+def tail_table(runs: dict[str, list[RunResult]]) -> None:
+    print("| Method | " + " | ".join(label for _, label in SETTINGS) + " |")
+    print("|---|" + "---|" * len(SETTINGS))
+    for label, m in METHODS:
+        cells = []
+        for s, _ in SETTINGS:
+            rs, base = runs.get(f"{s}-{m}", []), {r.config["seed"]: r for r in runs.get(f"{s}-fedavg", [])}
+            if not rs:
+                cells.append("—")
+                continue
+            vals = np.array([tail_mean(r) for r in rs])
+            cell = f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
+            gaps = [tail_mean(r) - tail_mean(base[r.config["seed"]]) for r in rs if r.config["seed"] in base]
+            cells.append(cell if m == "fedavg" or not gaps else f"{cell} ({np.mean(gaps):+.2f})")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def per_seed(runs: dict[str, list[RunResult]], setting: str) -> None:
     print("| Method | seed 0 | seed 1 | seed 2 | best-round (logged, not the result) |")
     print("|---|---|---|---|---|")
@@ -203,6 +228,8 @@ def main(root: Path) -> None:
     runs = runs_by_folder(root)
     print("## Final-round accuracy (%), mean ± std over seeds (gap to FedAvg) [seeds]\n")
     main_table(runs)
+    print("\n## Mean accuracy (%) of the last 5 rounds (21-25), mean ± std over seeds (gap to FedAvg)\n")
+    tail_table(runs)
     for s, label in SETTINGS:
         print(f"\n## Per seed, {label}\n")
         per_seed(runs, s)
