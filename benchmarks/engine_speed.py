@@ -48,7 +48,7 @@ MODES = ["sequential", "workers", "vectorized", "auto"]
 
 
 def workload_config(name: str, participating: int | None = None) -> dict[str, Any]:
-    base: dict[str, Any] = {"seed": 0, "rounds": 10**6, "checkpoint": {"every": 0}, "eval": {"every": 1}}
+    base: dict[str, Any] = {"seed": 0, "rounds": 100, "checkpoint": {"every": 0}, "eval": {"every": 1}}
     if name == "W1":
         base.update(
             data={"dataset": "mnist", "num_clients": 20, "partition": {"name": "dirichlet", "alpha": 0.5}},
