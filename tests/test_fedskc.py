@@ -23,7 +23,7 @@ from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.models.base import embed_in_chunks
-from tests.conftest import digits_config
+from tests.conftest import digits_config, requires_data
 
 
 def hand_protos():
@@ -194,3 +194,21 @@ def test_relative_gda_and_literal_gpr_change_the_run(tmp_path):
 def test_bad_options_are_named():
     with pytest.raises(ConfigError, match="gda_mode"):
         build_config(skc_config({"name": "fedskc", "gda_mode": "fedavg"}))
+
+
+@requires_data
+def test_offline_long_tail_config_has_the_ldam_profile_and_a_skewed_split():
+    from pathlib import Path
+
+    from fedskew.experiment.config import load_config
+    from fedskew.experiment.runner import build_data
+
+    path = Path(__file__).parents[1] / "configs" / "fedskc" / "fmnist-lt100-dir0.2.yaml"
+    fd = build_data(load_config(path))
+    counts = fd.class_counts()  # [clients, classes]
+    per_class = counts.sum(0).tolist()
+    assert per_class == [int(6000 * 100 ** (-c / 9)) for c in range(10)]  # n_c = ⌊n_max ρ^(−c/(C−1))⌋
+    assert per_class[0] / per_class[-1] == pytest.approx(100, rel=0.02)
+    sizes = counts.sum(1)
+    assert int(sizes.min()) >= 10 and int(sizes.max()) > 3 * int(sizes.min())  # unequal sizes (spec X5)
+    assert float((counts > 0).float().mean()) < 0.9  # Dir(0.2): clients miss classes
