@@ -135,3 +135,17 @@ def test_largest_clients_go_out_first(monkeypatch):
         assert min(sizes) >= max(others)  # the first two tasks are the two largest clients
     finally:
         sim.close()
+
+
+def test_vectorized_chunks_under_a_memory_budget_give_the_same_round():
+    from fedskew.engine.vectorized import chunk_size
+
+    cfg = worker_config("fedprox", 1, rounds=1, mode="vectorized")
+    cfg["engine"]["memory_mb"] = 1.0  # below one client of the 430k-parameter MLP: one client per chunk
+    small = build_simulation(build_config(cfg))
+    size = chunk_size(small.model_for(0), small.x_train, 32, 1.0)
+    assert 1 <= size < len(small.schedule[0])  # really split into several chunks
+    whole = build_simulation(build_config(worker_config("fedprox", 1, rounds=1, mode="vectorized")))
+    a, b = small.run_round().record, whole.run_round().record
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-6)
