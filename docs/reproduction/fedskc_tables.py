@@ -45,6 +45,7 @@ ABLATIONS = [
     ("✓", "✓ relative", "✓ affine", "GDA as corrected (G1)", "abl-gda-relative"),
     ("✓", "✓ literal (= uniform)", "✓ literal", "GPR as printed (P1)", "abl-gpr-literal"),
     ("✓ M = 0", "✓ literal (= uniform)", "✓ affine", "plain-mean prototypes (Fig. 4c)", "abl-m0"),
+    ("✓ U = 1", "✓ literal (= uniform)", "✓ affine", "pure-cosine LCL (no U: L1 option iii)", "abl-u-none"),
     (
         "✓ code-like",
         "✓ literal (= uniform)",
