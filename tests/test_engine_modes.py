@@ -108,13 +108,18 @@ def test_auto_vectorizes_small_dropout_free_models_only():
     sim = build_simulation(build_config(dropout))
     sim.run_round()
     assert sim._resolved == "sequential"  # vmap's dropout stream would change the numbers
-    large = worker_config("fedavg", 2, rounds=1, mode="auto")  # 430k-parameter MLP
+    large = worker_config("fedavg", 2, rounds=1, mode="auto", epochs=2)  # 430k params, 240 x 2
     sim = build_simulation(build_config(large))
     try:
         sim.run_round()
         assert sim._resolved == "workers"
     finally:
         sim.close()
+    tiny = worker_config("fedavg", 2, rounds=1, mode="auto")  # ~120 samples x 1 epoch per client
+    tiny["data"]["num_clients"] = 12
+    sim = build_simulation(build_config(tiny))
+    sim.run_round()
+    assert sim._resolved == "sequential"  # shipping a task would cost more than running it
 
 
 def test_largest_clients_go_out_first(monkeypatch):
