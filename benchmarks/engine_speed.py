@@ -87,13 +87,10 @@ def workload_config(name: str, participating: int | None = None) -> dict[str, An
 
 
 def _with_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
+    """``workers``: the sequential loop over one process per core; ``auto`` may also use them."""
     cores = os.cpu_count() or 1
-    engine = {
-        "mode": "auto" if mode == "workers" else mode,
-        "workers": cores if mode in ("workers", "auto") else 1,
-    }
-    if mode == "workers":
-        engine["mode"] = "sequential"
+    workers = cores if mode in ("workers", "auto") else 1
+    engine = {"mode": "sequential" if mode == "workers" else mode, "workers": workers}
     return dict(cfg, engine=engine)
 
 

@@ -77,9 +77,10 @@ def pool_feature(h: Tensor) -> Tensor:
 
 def relaxed_contrastive_terms(
     z: Tensor, y: Tensor, tau: float, threshold: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-anchor ``L_SCL(i)``, ``D(i)`` (module docstring), the mask of anchors with a positive and the
-    ``[B, B]`` positive-pair mask, on L2-normalised ``z`` (normalised here)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-anchor ``L_SCL(i)``, ``D(i)`` (module docstring), the mask of anchors with a positive, the
+    ``[B, B]`` positive-pair mask and the ``[B, B]`` cosine similarities, on L2-normalised ``z`` (normalised
+    here)."""
     z = F.normalize(pool_feature(z), dim=1)
     b = z.shape[0]
     sim = z @ z.T
@@ -93,7 +94,7 @@ def relaxed_contrastive_terms(
     pen_logits = ((sim - 1.0) / tau).masked_fill(~over, float("-inf"))
     zero = torch.zeros(b, 1, dtype=z.dtype, device=z.device)  # the anchor itself: (1 − 1)/τ
     penalty = torch.logsumexp(torch.cat([zero, pen_logits], 1), dim=1)
-    return scl, penalty, n_pos > 0, pos
+    return scl, penalty, n_pos > 0, pos, sim
 
 
 def relaxed_contrastive_loss(
@@ -101,7 +102,7 @@ def relaxed_contrastive_loss(
 ) -> Tensor:
     """``L_RCL`` = mean over anchors with a positive of ``L_SCL(i) + w·D(i)`` (module docstring); 0 (with a
     graph) when no anchor of the batch has a positive."""
-    scl, penalty, has_pos, _ = relaxed_contrastive_terms(z, y, tau, threshold)
+    scl, penalty, has_pos, _, _ = relaxed_contrastive_terms(z, y, tau, threshold)
     per_anchor = scl + penalty_weight * penalty if penalty_weight else scl
     if not bool(has_pos.any()):
         return z.sum() * 0.0
@@ -204,23 +205,31 @@ class FedRCL(Algorithm):
 
     class Params(HyperParams):
         beta: float = Field(
-            1.0, ge=0.0, description="β, weight of the (multi-level) L_RCL term (source: authors' "
-            "fedrcl.yaml, rcl_loss weights 1)"
+            1.0,
+            ge=0.0,
+            description="β, weight of the (multi-level) L_RCL term (source: authors' "
+            "fedrcl.yaml, rcl_loss weights 1)",
         )
         tau: float = Field(
             0.05, gt=0.0, description="temperature τ (source: authors' fedrcl.yaml, temp 0.05)"
         )
         threshold: float = Field(
-            0.7, ge=-1.0, le=1.0, description="λ: positive pairs with cosine similarity > λ are penalised "
-            "(source: authors' fedrcl.yaml, threshold 0.7)"
+            0.7,
+            ge=-1.0,
+            le=1.0,
+            description="λ: positive pairs with cosine similarity > λ are penalised "
+            "(source: authors' fedrcl.yaml, threshold 0.7)",
         )
         penalty_weight: float = Field(
-            1.0, ge=0.0, description="w, weight of the divergence penalty inside L_RCL; 0 gives plain SCL "
-            "(source: authors' fedrcl.yaml, penalty pair weight 1)"
+            1.0,
+            ge=0.0,
+            description="w, weight of the divergence penalty inside L_RCL; 0 gives plain SCL "
+            "(source: authors' fedrcl.yaml, penalty pair weight 1)",
         )
         layers: Literal["all", "embedding"] | list[int] = Field(
-            "all", description="feature levels: all blocks (paper: multi-level RCL), the embedding only, "
-            "or indices into the level list"
+            "all",
+            description="feature levels: all blocks (paper: multi-level RCL), the embedding only, "
+            "or indices into the level list",
         )
         layer_reduction: Literal["mean", "sum"] = Field(
             "mean", description="combine the levels' losses by mean (authors' code) or sum"
@@ -256,26 +265,26 @@ class FedRCL(Algorithm):
         total = z.new_zeros(())
         scl_sum, pen_sum = z.new_zeros(()), z.new_zeros(())
         for h in levels:
-            scl, pen, has_pos, pos = relaxed_contrastive_terms(h, batch.y, p.tau, p.threshold)
+            scl, pen, has_pos, pos, sim = relaxed_contrastive_terms(h, batch.y, p.tau, p.threshold)
             if bool(has_pos.any()):
                 scl_m, pen_m = scl[has_pos].mean(), pen[has_pos].mean()
                 total = total + scl_m + p.penalty_weight * pen_m
                 scl_sum, pen_sum = scl_sum + scl_m.detach(), pen_sum + pen_m.detach()
         if p.layer_reduction == "mean":
             total = total / len(levels)
-        if batch.last_epoch:  # diagnostics of the last local epoch; pair statistics at the last level
+        if batch.last_epoch:  # diagnostics of the last local epoch; pair statistics of the last level's loop
             with torch.no_grad():
-                zn = F.normalize(levels[-1], dim=1)
-                sim = zn @ zn.T
-                pos = (batch.y[:, None] == batch.y[None, :]).fill_diagonal_(False)
+                sim = sim.detach()
                 n_pos = pos.sum().clamp_min(1)
-                row = torch.stack([
-                    scl_sum / len(levels),
-                    pen_sum / len(levels),
-                    (pos & (sim > p.threshold)).sum() / n_pos,
-                    (sim * pos).sum() / n_pos,
-                    torch.ones_like(scl_sum),
-                ]).double()
+                row = torch.stack(
+                    [
+                        scl_sum / len(levels),
+                        pen_sum / len(levels),
+                        (pos & (sim > p.threshold)).sum() / n_pos,
+                        (sim * pos).sum() / n_pos,
+                        torch.ones_like(scl_sum),
+                    ]
+                ).double()
             scratch["diag"] = scratch["diag"] + row if "diag" in scratch else row
         return loss + p.beta * total
 
