@@ -209,3 +209,18 @@ def test_checkpoint_is_atomic_and_loadable(tmp_path):
     ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
     assert ck["round"] == 2 and len(ck["history"]) == 2
     assert Path(tmp_path / "r" / "config.yaml").read_text().startswith("name:")
+
+
+def test_payload_finiteness_check_is_exact():
+    from fedskew.algorithms.base import Payload
+
+    assert Payload({"w": torch.randn(100)}, {"lr": 0.1}).is_finite()
+    bad = torch.randn(100)
+    bad[37] = float("nan")
+    assert not Payload({"w": bad}).is_finite()
+    bad[37] = float("-inf")
+    assert not Payload({"w": bad}).is_finite()
+    # a finite float16 tensor whose sum overflows float16 is still finite
+    assert Payload({"h": torch.full((4,), 60000.0, dtype=torch.float16)}).is_finite()
+    assert Payload({"ids": torch.tensor([1, 2])}).is_finite()
+    assert not Payload({"w": torch.ones(2)}, {"gamma": float("nan")}).is_finite()

@@ -154,3 +154,72 @@ def test_vectorized_chunks_under_a_memory_budget_give_the_same_round():
     a, b = small.run_round().record, whole.run_round().record
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-6)
+
+
+def _is_channels_last(model: torch.nn.Module) -> bool:
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    return bool(convs) and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+
+
+def test_memory_format_auto_uses_channels_last_for_cpu_convolutions_and_changes_no_result():
+    def conv_config(fmt: str, workers: int = 1, mode: str = "sequential") -> dict:
+        cfg = worker_config("fedprox", workers, mode=mode)
+        cfg["model"] = {"name": "cnn_fedproto", "padding": 2}
+        cfg["engine"]["memory_format"] = fmt
+        return cfg
+
+    nhwc = build_simulation(build_config(conv_config("auto")))
+    nchw = build_simulation(build_config(conv_config("contiguous")))
+    par = build_simulation(build_config(conv_config("auto", workers=2)))
+    assert _is_channels_last(nhwc.model_for(0)) and not _is_channels_last(nchw.model_for(0))
+    try:
+        for _ in range(2):
+            a, b, c = nhwc.run_round().record, nchw.run_round().record, par.run_round().record
+            # same values, another summation order inside the convolutions
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+            assert a["accuracy"] == pytest.approx(b["accuracy"], abs=0.01)
+            assert c["loss"] == pytest.approx(a["loss"], rel=1e-5)  # workers: same layout, same numbers
+    finally:
+        par.close()
+    vec = build_simulation(build_config(conv_config("auto", mode="vectorized")))
+    assert not _is_channels_last(vec.model_for(0))  # vmap stacks the weights: left in NCHW
+    mlp = build_simulation(build_config(worker_config("fedavg", 1)))
+    assert mlp.memory_format == "auto" and not any(p.dim() == 4 for p in mlp.model_for(0).parameters())
+    with pytest.raises(Exception, match="memory_format"):
+        build_config(conv_config("nhwc"))
+
+
+def test_evaluation_batch_defaults_by_device_and_does_not_change_metrics():
+    sim = build_simulation(build_config(worker_config("fedavg", 1, rounds=1)))
+    assert sim.eval.batch_size == loop.EVAL_BATCH["cpu"]
+    cfg = worker_config("fedavg", 1, rounds=1)
+    cfg["eval"] = {"batch_size": 7}
+    odd = build_simulation(build_config(cfg))
+    a, b = sim.run_round().record, odd.run_round().record
+    assert a["accuracy"] == b["accuracy"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_worker_arena_round_trips_tensors_and_falls_back_inline_when_full():
+    from fedskew.engine.workers import Arena
+
+    x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    msg = {
+        "w": x,
+        "view": torch.arange(10.0)[::3],  # non-contiguous
+        "half": torch.tensor([1.5, -2.0], dtype=torch.float16),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.tensor([7, 8], dtype=torch.int64),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.zeros(0, 4),
+        "nested": [torch.ones(3, requires_grad=True), ("text", 1.5)],
+    }
+    arena = Arena(nbytes=4096)
+    out = arena.loads(arena.dumps(msg))
+    for key in ("w", "view", "half", "mask", "ids", "scalar", "empty"):
+        assert out[key].dtype == msg[key].dtype and torch.equal(out[key], msg[key]), key
+    assert out["nested"][0].requires_grad and out["nested"][1] == ("text", 1.5)
+    big = torch.randn(2000)  # 8,000 bytes > the 4,096-byte arena: pickled inline, still exact
+    data = arena.dumps({"big": big, "small": torch.ones(2)})
+    assert len(data) > 8000 and torch.equal(arena.loads(data)["big"], big)
+    x.add_(1.0)  # the loaded copies do not alias the arena or the source
+    assert not torch.equal(out["w"], x)

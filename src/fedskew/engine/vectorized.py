@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fedskew.algorithms.base import Batch, ClientView, LocalResult, Payload, Phase, State, Upload
 from fedskew.engine.sampling import derive_seed
+from fedskew.seeding import seed_torch
 
 if TYPE_CHECKING:
     from fedskew.engine.loop import ClientOutcome, Simulation
@@ -162,7 +163,7 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
         state = tree_to(sim.client_state(cid), sim.device)
         view = sim.client_view(cid)
         seed = derive_seed(sim.seed, round_idx, cid)
-        torch.manual_seed(seed)
+        seed_torch(seed, sim.device)
         phases = alg.start_local(model, payload, state, view)
         starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
         gen = torch.Generator().manual_seed(seed)
@@ -242,7 +243,7 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(params[n][k])
-            torch.manual_seed(c.seed)
+            seed_torch(c.seed, sim.device)
             result = LocalResult(steps=c.steps, loss=c.loss, lr=c.lr)
             upload = alg.finish_local(model, c.payload, c.state, c.view, {}, result)
             if upload.is_finite():

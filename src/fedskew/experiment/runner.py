@@ -105,6 +105,7 @@ def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulati
         workers=cfg.engine.workers,
         mode=cfg.engine.mode,
         memory_mb=cfg.engine.memory_mb,
+        memory_format=cfg.engine.memory_format,
     )
 
 
