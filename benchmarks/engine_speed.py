@@ -44,7 +44,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 from round_speed import gemm_ceilings, shrink, train_flops_per_sample  # noqa: E402
 
-MODES = ["sequential", "workers", "vectorized", "auto"]
+MODES = ["sequential", "workers", "vectorized", "vectorized+workers", "auto"]
 
 
 def workload_config(name: str, participating: int | None = None) -> dict[str, Any]:
@@ -87,11 +87,12 @@ def workload_config(name: str, participating: int | None = None) -> dict[str, An
 
 
 def _with_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
-    """``workers``: the sequential loop over one process per core; ``auto`` may also use them."""
+    """``workers``: the sequential loop over one process per core; ``vectorized+workers``: a vmapped group
+    of clients per process; ``auto`` may use them too."""
     cores = os.cpu_count() or 1
-    workers = cores if mode in ("workers", "auto") else 1
-    engine = {"mode": "sequential" if mode == "workers" else mode, "workers": workers}
-    return dict(cfg, engine=engine)
+    workers = 1 if mode in ("sequential", "vectorized") else cores
+    engine_mode = {"workers": "sequential", "vectorized+workers": "vectorized"}.get(mode, mode)
+    return dict(cfg, engine={"mode": engine_mode, "workers": workers})
 
 
 def _timed(sim: Any, rounds: int, evaluate: bool) -> float:

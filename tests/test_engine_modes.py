@@ -64,7 +64,7 @@ def test_unsupported_device_falls_back_in_process(monkeypatch, caplog):
     assert "needs engine.device=cpu" in caplog.text
 
 
-@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam"])
+@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam", "fedproto"])
 def test_vectorized_matches_the_sequential_loop(alg):
     # ragged clients (Dirichlet sizes, a short last batch), 2 epochs, momentum and weight decay
     opts = {"epochs": 2, "batch_size": 16, "weight_decay": 1e-3}
@@ -80,7 +80,32 @@ def test_vectorized_matches_the_sequential_loop(alg):
             assert torch.allclose(value, vec.server[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("alg", ["moon", "fedproto"])
+@pytest.mark.parametrize("alg", ["fedavg", "fedproto"])
+def test_vectorized_groups_in_workers_match_the_sequential_loop(alg):
+    opts = {"epochs": 2, "batch_size": 16, "fraction": 1.0}
+    seq = build_simulation(build_config(worker_config(alg, 1, **opts)))
+    vec = build_simulation(build_config(worker_config(alg, 2, mode="vectorized", **opts)))
+    try:
+        for _ in range(2):
+            a, b = seq.run_round().record, vec.run_round().record
+            for key in ("accuracy", "loss", "train_loss"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5)
+        assert vec._resolved == "vectorized+workers" and vec._pool is not None
+    finally:
+        vec.close()
+
+
+def test_balanced_groups_split_clients_by_total_size():
+    from fedskew.engine.workers import balanced_groups
+
+    sizes = {0: 50, 1: 40, 2: 30, 3: 20, 4: 10, 5: 10}
+    groups = balanced_groups(list(sizes), sizes.__getitem__, 2)
+    assert sorted(c for g in groups for c in g) == list(sizes)
+    assert sorted(sum(sizes[c] for c in g) for g in groups) == [80, 80]
+    assert balanced_groups([3], sizes.__getitem__, 4) == [[3]]
+
+
+@pytest.mark.parametrize("alg", ["moon", "fedskc"])
 def test_vectorized_falls_back_for_stateful_losses(alg, caplog):
     with caplog.at_level("WARNING", logger="fedskew.engine"):
         sim = build_simulation(build_config(worker_config(alg, 1, rounds=1, mode="vectorized")))

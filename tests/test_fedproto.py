@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, Batch, Context, Payload
+from fedskew.algorithms.base import ALGORITHMS, Batch, ClientView, Context, Payload
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.fedproto import prototype_regularizer
 from fedskew.experiment.config import build_config
@@ -55,7 +55,9 @@ def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
     payload = Payload(
         tensors={"classes": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 1.0], [0.0, 3.0]])}
     )
-    loss = alg.local_loss(model, Batch(x, y), payload, {}, {})
+    view = ClientView(cid=0, x=x, y=y, class_counts=torch.bincount(y, minlength=3))
+    scratch = alg.init_scratch(model, payload, {}, view)  # what the engine hands local_loss
+    loss = alg.local_loss(model, Batch(x, y), payload, {}, scratch)
     h = torch.tensor([[1.0, 2.0], [2.0, 0.0], [0.0, 2.0], [1.0, -2.0]])  # body(x) by hand
     reg = (((1 - 1) ** 2 + (2 - 1) ** 2) + ((2 - 1) ** 2 + (0 - 1) ** 2) + (0**2 + (2 - 3) ** 2) + 0.0) / (
         4 * 2

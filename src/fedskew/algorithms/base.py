@@ -180,10 +180,14 @@ class Algorithm:
     personalized_eval: ClassVar[bool] = False
     #: there is no global model (``local``): the config must ask for ``eval.protocol=personalized``
     requires_personalized_eval: ClassVar[bool] = False
-    #: ``local_loss`` is a pure function of (model, batch, payload, state): no per-client modules set up in
-    #: ``start_local``, no data-dependent branching, nothing kept in ``scratch`` across batches, so
-    #: ``engine.mode=vectorized`` may train the round's clients at once (fedskew.engine.vectorized)
+    #: ``local_loss`` is a pure function of (model, batch, payload, state, scratch): no per-client modules set
+    #: up in ``start_local``, no data-dependent Python branching, and ``scratch`` holds only the tensors that
+    #: :meth:`init_scratch` made (updated in place, e.g. accumulators), so ``engine.mode=vectorized`` may
+    #: train the round's clients at once (fedskew.engine.vectorized)
     vectorizable: ClassVar[bool] = False
+    #: ``local_loss`` reads the payload's tensors; ``False`` when :meth:`init_scratch` turns them into dense
+    #: per-client tensors, so clients whose payloads differ in shape can still be vectorized
+    loss_reads_payload: ClassVar[bool] = True
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params
@@ -220,6 +224,14 @@ class Algorithm:
         """Prepare local training; return the phases the engine's optimizer loop runs."""
         self.load_model(model, payload, state)
         return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)]
+
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+    ) -> dict[str, Tensor]:
+        """Tensors that ``local_loss`` finds in ``scratch`` from the first batch on (after ``start_local``):
+        per-round constants derived from the payload and accumulators updated in place. The same names and
+        shapes for every client of an architecture, so the vectorized engine can stack them."""
+        return {}
 
     def local_loss(
         self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict

@@ -67,11 +67,11 @@ def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, fo
         return F.mse_loss(h, target)
     c = targets.shape[0]
     sums = torch.zeros(c, h.shape[1], dtype=h.dtype, device=h.device).index_add(0, y, h)
-    counts = torch.bincount(y, minlength=c).to(h.dtype)
-    used = (counts > 0) & has
-    means = sums[used] / counts[used, None]
-    per_class = (means - targets[used]).pow(2).mean(1)
-    return (counts[used] / y.shape[0] * per_class).sum()
+    counts = torch.zeros(c, dtype=h.dtype, device=h.device).index_add(0, y, torch.ones_like(h[:, 0]))
+    used = (counts > 0) & has  # masks, not boolean indexing: the same shapes for every batch (vmap)
+    means = sums / counts.clamp_min(1)[:, None]
+    per_class = (means - targets).pow(2).mean(1)
+    return torch.where(used, counts / y.shape[0] * per_class, 0.0).sum()
 
 
 @ALGORITHMS.register("fedproto")
@@ -81,6 +81,8 @@ class FedProto(Algorithm):
     name = "fedproto"
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
+    vectorizable: ClassVar[bool] = True  # dense prototype table and last-epoch sums in init_scratch
+    loss_reads_payload: ClassVar[bool] = False
 
     class Params(HyperParams):
         lam: float = Field(
@@ -167,18 +169,27 @@ class FedProto(Algorithm):
         has[classes] = True
         return table, has
 
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+    ) -> dict[str, Tensor]:
+        """The dense table of the received prototypes and, for ``last_epoch``, the Eq. (3) sums."""
+        dim, device = embedding_dim(model, self.name), client.x.device
+        targets, has = self._targets(payload, dim, device)
+        scratch = {"targets": targets, "has": has}
+        if self.p.proto_source == "last_epoch":
+            acc = ClassAccumulator.zeros(self.ctx.num_classes, dim, device)
+            scratch.update(acc_sums=acc.sums, acc_counts=acc.counts)
+        return scratch
+
     def local_loss(
         self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
     ) -> Tensor:
         h = model.features(batch.x)
-        if "targets" not in scratch:  # first batch of the round: dense table of the received prototypes
-            scratch["targets"], scratch["has"] = self._targets(payload, h.shape[1], h.device)
-            if self.p.proto_source == "last_epoch":
-                scratch["acc"] = ClassAccumulator.zeros(self.ctx.num_classes, h.shape[1], h.device)
         loss = F.cross_entropy(model.head(h), batch.y)  # = NLL of the code's log_softmax outputs
-        if batch.last_epoch and "acc" in scratch:
-            scratch["acc"].add(h, batch.y)  # Eq. (3) over the last epoch, parameters before each step
-        if self.p.lam > 0 and bool(scratch["has"].any()):
+        if batch.last_epoch and "acc_sums" in scratch:
+            # Eq. (3) over the last epoch, parameters before each step (in place: the engine keeps scratch)
+            ClassAccumulator(scratch["acc_sums"], scratch["acc_counts"]).add(h, batch.y)
+        if self.p.lam > 0:  # zero (value and gradient) while no global prototype exists, as in round 1
             reg = prototype_regularizer(h, batch.y, scratch["targets"], scratch["has"], self.p.regularizer)
             loss = loss + self.p.lam * reg
         return loss
@@ -198,8 +209,8 @@ class FedProto(Algorithm):
         scratch: dict,
         result: LocalResult,
     ) -> Payload:
-        if "acc" in scratch:
-            table, seen = scratch["acc"].means()
+        if "acc_sums" in scratch and result.steps > 0:
+            table, seen = ClassAccumulator(scratch["acc_sums"], scratch["acc_counts"]).means()
         else:  # proto_source=recompute, or no batch was run (epochs=0)
             table, seen = self._recompute(model, client)
         classes, protos, _ = pack(table, seen)

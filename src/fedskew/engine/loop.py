@@ -234,6 +234,7 @@ class Simulation:
         out = ClientOutcome(cid=cid, bytes_down=payload.nbytes(), params_down=payload.num_params())
         try:
             phases = alg.start_local(model, payload, state, view)
+            scratch.update(alg.init_scratch(model, payload, state, view))
             decay = self.client_cfg.lr_decay ** (round_idx - 1)
             cfg = self.client_cfg
             result = run_phases(model, alg, payload, state, view, phases, cfg, gen, scratch, decay)
@@ -250,9 +251,9 @@ class Simulation:
         return out
 
     def _resolve_mode(self, cids: list[int]) -> str:
-        """``vectorized``, ``workers`` or ``sequential`` from ``engine.mode``, ``engine.workers`` and the
-        workload; the choice and the reason are logged. ``engine.workers > 1`` applies whenever clients are
-        not trained vectorized."""
+        """``vectorized``, ``vectorized+workers`` (a vmapped group of clients per worker process),
+        ``workers`` or ``sequential`` from ``engine.mode``, ``engine.workers`` and the workload; the choice
+        and the reason are logged."""
         model = self.model_for(cids[0])
         vec_reason = unsupported_reason(self, model)
         params = sum(p.numel() for p in model.parameters())
@@ -266,6 +267,8 @@ class Simulation:
             self.mode == "vectorized" or (self.mode == "auto" and small and not dropout)
         ):
             choice, why = "vectorized", f"{params:,} parameters, batch {self.client_cfg.batch_size}"
+            if self.workers > 1 and pool_supported(self) is None:  # a group of clients per worker
+                choice, why = "vectorized+workers", f"{why}, {self.workers} processes"
         elif (
             self.workers > 1
             and (pool_reason := pool_supported(self)) is None
@@ -290,12 +293,14 @@ class Simulation:
         """Local training of the round's clients: in-process, vectorized, or over forked workers."""
         if self._resolved is None and cids:
             self._resolved = self._resolve_mode(cids)
-        if self._resolved == "vectorized" and len(cids) > 1:
+        vectorized = self._resolved in ("vectorized", "vectorized+workers")
+        if vectorized and len(cids) > 1 and (self._resolved == "vectorized" or len(cids) < 2 * self.workers):
             return self._train_vectorized(cids, round_idx)
-        if self._resolved == "workers" and len(cids) > 1:
+        if self._resolved in ("workers", "vectorized+workers") and len(cids) > 1:
             if self._pool is None:
                 self._pool = WorkerPool(self, min(self.workers, self.num_clients))
-            return self._pool.train(self, cids, round_idx, lambda cid: float(self.train_idx[cid].numel()))
+            size = lambda cid: float(self.train_idx[cid].numel())  # noqa: E731
+            return self._pool.train(self, cids, round_idx, size, vectorized=vectorized)
         return [self.train_client(cid, round_idx) for cid in cids]
 
     def _train_vectorized(self, cids: list[int], round_idx: int) -> list[ClientOutcome]:

@@ -8,7 +8,9 @@ as the sequential loop, so ragged client sizes are handled by step masks: at ste
 still have a batch take part, grouped by batch size (the last batch of an epoch is shorter). Chunks of
 clients are sized to ``engine.memory_mb``. Hooks that are not per-batch losses (``start_local``,
 ``finish_local``: prototypes, control variates, ...) run per client around the vectorized loop, with the
-client's own weights loaded into the shared model.
+client's own weights loaded into the shared model. What an algorithm keeps across batches lives in the
+tensors of its ``init_scratch``, stacked over clients like the parameters and updated in place under
+``vmap`` (FedProto's last-epoch prototype sums): batched, not per client.
 
 Where it pays: small models and small batches, where a step is dominated by per-call overhead (FedProto's
 21.8k-parameter CNN at batch 8: vmap over 20 clients was 1.44x the loop, issue 8); on large convolutions
@@ -16,8 +18,10 @@ batched convolutions become grouped convolutions and are slower (0.70x), so ``en
 pick it there.
 
 An algorithm opts in with ``vectorizable = True``: its ``local_loss`` must be a pure function of the model,
-the batch, the payload and the client state (no per-client modules loaded in ``start_local``, no
-data-dependent Python branching, nothing kept in ``scratch`` across batches). Models with BatchNorm running
+the batch, the payload, the client state and the ``init_scratch`` tensors (no per-client modules loaded in
+``start_local``, no data-dependent Python branching). With ``loss_reads_payload = False`` the payloads are
+not stacked, so they may differ in shape between clients (FedProto's prototypes of each client's classes).
+ Models with BatchNorm running
 statistics cannot update them under ``vmap``. :func:`unsupported_reason` says why a run falls back. Dropout
 works (``randomness="different"``), but its random stream differs from the sequential loop's.
 """
@@ -101,6 +105,7 @@ class _Client:
     count: int = 0
     finite: bool = True
     batches: list[Tensor] = field(default_factory=list)
+    scratch: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _phase_key(phase: Phase, names: list[str]) -> tuple:
@@ -124,6 +129,20 @@ def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], 
             raise NotVectorizable(f"clients' {what} differ in a non-tensor value")
     stacked = [torch.stack([f[0][i] for f in flat]) for i in tensor_pos]
     return stacked, list(leaves0), spec, tensor_pos
+
+
+def _stack_scratch(scratches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The clients' ``init_scratch`` tensors stacked name by name (``[K, ...]``)."""
+    names = sorted(scratches[0])
+    if any(sorted(s) != names for s in scratches):
+        raise NotVectorizable("clients' init_scratch names differ")
+    out = {}
+    for n in names:
+        values = [s[n] for s in scratches]
+        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
+            raise NotVectorizable(f"clients' init_scratch tensor {n!r} differs in shape or dtype")
+        out[n] = torch.stack(values)
+    return out
 
 
 def _rebuild(leaves: list[Any], spec: Any, tensor_pos: list[int], tensors: list[Tensor]) -> Any:
@@ -165,9 +184,10 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
         seed = derive_seed(sim.seed, round_idx, cid)
         seed_torch(seed, sim.device)
         phases = alg.start_local(model, payload, state, view)
+        scratch = alg.init_scratch(model, payload, state, view)
         starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
         gen = torch.Generator().manual_seed(seed)
-        clients.append(_Client(cid, payload, state, view, gen, seed, phases))
+        clients.append(_Client(cid, payload, state, view, gen, seed, phases, scratch=scratch))
     keys = {tuple(_phase_key(p, names) for p in c.phases) for c in clients}
     if len(keys) > 1:
         raise NotVectorizable("clients run different local phases")
@@ -175,8 +195,10 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
         raise NotVectorizable("clients' payload scalars differ")
     buffers = {n: b for n, b in model.named_buffers()}
     params = {n: torch.stack([s[n] for s in starts]) for n in names}
-    pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees([c.payload.tensors for c in clients], "payloads")
+    payloads = [c.payload.tensors if alg.loss_reads_payload else {} for c in clients]
+    pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees(payloads, "payloads")
     st_t, st_leaves, st_spec, st_pos = _stack_trees([c.state for c in clients], "states")
+    scratch_t = _stack_scratch([c.scratch for c in clients])
     scalars = dict(clients[0].payload.scalars)
 
     def loss_fn(
@@ -186,17 +208,19 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
         y: Tensor,
         pay: list[Tensor],
         st: list[Tensor],
+        scratch: dict[str, Tensor],
         epoch: int,
         last: bool,
     ) -> tuple[Tensor, Tensor]:
         payload = Payload(tensors=_rebuild(pay_leaves, pay_spec, pay_pos, pay), scalars=dict(scalars))
         state = _rebuild(st_leaves, st_spec, st_pos, st)
+        batch = Batch(x, y, epoch=epoch, last_epoch=last)
         with _reparametrize_module(model, {**train, **frozen, **buffers}):
-            loss = alg.local_loss(model, Batch(x, y, epoch=epoch, last_epoch=last), payload, state, {})
+            loss = alg.local_loss(model, batch, payload, state, dict(scratch))  # scratch: updated in place
         return loss, loss.detach()
 
     step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]] = vmap(
-        grad(loss_fn, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None, None), randomness="different"
+        grad(loss_fn, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, 0, None, None), randomness="different"
     )
     model.train()
     phases = clients[0].phases
@@ -227,6 +251,7 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
                         step_fn,
                         pay_t,
                         st_t,
+                        scratch_t,
                         epoch,
                         last,
                         lr,
@@ -245,7 +270,8 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
                     p.copy_(params[n][k])
             seed_torch(c.seed, sim.device)
             result = LocalResult(steps=c.steps, loss=c.loss, lr=c.lr)
-            upload = alg.finish_local(model, c.payload, c.state, c.view, {}, result)
+            scratch = {n: v[k] for n, v in scratch_t.items()}
+            upload = alg.finish_local(model, c.payload, c.state, c.view, scratch, result)
             if upload.is_finite():
                 out.upload = Upload(cid=c.cid, num_samples=c.view.num_samples, payload=upload)
                 out.state = tree_to(c.state, "cpu")
@@ -265,6 +291,7 @@ def _step(
     step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]],
     pay_t: list[Tensor],
     st_t: list[Tensor],
+    scratch_t: dict[str, Tensor],
     epoch: int,
     last: bool,
     lr: float,
@@ -284,10 +311,14 @@ def _step(
     y = torch.stack([v.y[i] for v, i in zip(view_x, idx, strict=True)])
     train = {n: take(params[n]) for n in trainable}
     frozen = {n: take(params[n]) for n in names if n not in train}
+    scratch = {n: take(v) for n, v in scratch_t.items()}
     grads, losses = step_fn(
-        train, frozen, x, y, [take(v) for v in pay_t], [take(v) for v in st_t], epoch, last
+        train, frozen, x, y, [take(v) for v in pay_t], [take(v) for v in st_t], scratch, epoch, last
     )
     with torch.no_grad():
+        if sel is not None:  # the loss updated copies of the members' scratch: write them back
+            for n, v in scratch.items():
+                scratch_t[n].index_copy_(0, sel, v)
         for n in trainable:
             g = grads[n] + weight_decay * train[n] if weight_decay else grads[n]
             buf = momentum * take(bufs[n]) + g if momentum else g

@@ -118,7 +118,8 @@ def pool_supported(sim: Simulation) -> str | None:
 
 
 def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena) -> None:
-    """Worker loop: ``(round, cid, server | None, client state)`` in, ``(wid, cid, outcome)`` out."""
+    """Worker loop: ``(round, cids, server | None, client states, vectorized)`` in, ``(wid, cids,
+    outcomes)`` out. A task is one client, or with ``vectorized`` a group trained at once with vmap."""
     sim = _INHERITED
     assert sim is not None
     torch.set_num_threads(1)
@@ -126,16 +127,31 @@ def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_ar
         message = inbox.get()
         if message is None:
             return
-        round_idx, cid, server, state = task_arena.loads(message)
+        round_idx, cids, server, states, vectorized = task_arena.loads(message)
         if server is not None:
             sim.server = server
-        sim.client_states[cid] = state
+        sim.client_states.update(zip(cids, states, strict=True))
         try:
-            outcome: Any = sim.train_client(cid, round_idx)
+            if vectorized:
+                outcome: Any = sim._train_vectorized(cids, round_idx)
+            else:
+                outcome = [sim.train_client(cid, round_idx) for cid in cids]
         except BaseException as err:  # sent back: the parent raises it with the client's id
-            outcome = WorkerFailure(cid, err)
-        sim.client_states.pop(cid, None)  # the parent owns client state
-        outbox.put((wid, cid, result_arena.dumps(outcome)))
+            outcome = WorkerFailure(cids[0], err)
+        for cid in cids:
+            sim.client_states.pop(cid, None)  # the parent owns client state
+        outbox.put((wid, cids, result_arena.dumps(outcome)))
+
+
+def balanced_groups(cids: Sequence[int], cost: Callable[[int], float], n: int) -> list[list[int]]:
+    """``cids`` in at most ``n`` groups of near-equal total cost (largest first, each to the lightest)."""
+    groups: list[list[int]] = [[] for _ in range(min(n, len(cids)))]
+    loads = [0.0] * len(groups)
+    for cid in sorted(cids, key=lambda c: -cost(c)):
+        i = loads.index(min(loads))
+        groups[i].append(cid)
+        loads[i] += cost(cid)
+    return groups
 
 
 class WorkerPool:
@@ -170,39 +186,44 @@ class WorkerPool:
         cids: Sequence[int],
         round_idx: int,
         cost: Callable[[int], float],
+        vectorized: bool = False,
     ) -> list[ClientOutcome]:
-        """Train ``cids`` for round ``round_idx``; outcomes in the order of ``cids``."""
-        pending = deque(sorted(cids, key=lambda c: -cost(c)))  # largest first
+        """Train ``cids`` for round ``round_idx``; outcomes in the order of ``cids``. ``vectorized``: one
+        group of clients per worker, of balanced cost, each trained with vmap in its worker."""
+        if vectorized:
+            tasks = deque(balanced_groups(cids, cost, self.n))
+        else:
+            tasks = deque([cid] for cid in sorted(cids, key=lambda c: -cost(c)))  # largest first
         has_server = [False] * self.n
         done: dict[int, ClientOutcome] = {}
 
         def send(w: int) -> None:
-            cid = pending.popleft()
+            group = tasks.popleft()
             server = None if has_server[w] else sim.server
             has_server[w] = True
-            task = (round_idx, cid, server, sim.client_state(cid))
+            task = (round_idx, group, server, [sim.client_state(cid) for cid in group], vectorized)
             self.inboxes[w].put(self.task_arenas[w].dumps(task))
 
         busy = 0
-        for w in range(min(self.n, len(pending))):
+        for w in range(min(self.n, len(tasks))):
             send(w)
             busy += 1
         while busy:
-            w, cid, outcome = self._receive()
+            w, group, outcomes = self._receive()
             busy -= 1
-            if isinstance(outcome, WorkerFailure):
-                raise outcome.error
-            done[cid] = outcome
-            if pending:
+            if isinstance(outcomes, WorkerFailure):
+                raise outcomes.error
+            done.update(zip(group, outcomes, strict=True))
+            if tasks:
                 send(w)
                 busy += 1
         return [done[c] for c in cids]
 
-    def _receive(self) -> tuple[int, int, Any]:
+    def _receive(self) -> tuple[int, list[int], Any]:
         while True:
             try:
-                w, cid, message = self.outbox.get(timeout=_POLL_SECONDS)
-                return w, cid, self.result_arenas[w].loads(message)
+                w, group, message = self.outbox.get(timeout=_POLL_SECONDS)
+                return w, group, self.result_arenas[w].loads(message)
             except queue.Empty:
                 dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
