@@ -7,8 +7,9 @@ Workloads (MNIST under ``$FEDSKEW_DATA``):
 * W3: FedAvg, ``mlp_mpfedcl``, 1,000 clients (Dirichlet 0.5), 10% per round, batch 32; plus the round time
   at 50 / 100 / 200 participating clients (how it grows).
 
-Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``auto``) each run is a
-fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest worker). Reported:
+Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``vectorized+workers``,
+``auto``) each run is a fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest
+worker). Reported:
 ``seconds_per_round`` (evaluation off, median of the timed rounds after a warm-up round),
 ``seconds_per_round_eval`` (the engine's default evaluation on: the global 10k test set every round),
 ``samples_per_second``, ``ceiling_fraction`` (training GFLOP/s against the faster of the ``mm`` and 1x1-conv
@@ -18,6 +19,10 @@ GEMM ceilings, measured in the same process) and ``flower_seconds_per_round`` (F
     python benchmarks/engine_speed.py                 # all workloads, 3 timed rounds
     python benchmarks/engine_speed.py --quick         # 1 timed round, 10% of each client's data (W1, W2)
     python benchmarks/engine_speed.py --workloads W2 --no-flower
+    python benchmarks/engine_speed.py --device cuda   # the default when a GPU is present; both sides on it
+
+On a GPU the results go to ``engine_<workload>[_quick]_cuda.json`` (with ``peak_gpu_bytes``); workers run
+in-process there (a CUDA context cannot be forked), so ``workers`` rows equal ``sequential``.
 """
 
 from __future__ import annotations
@@ -86,13 +91,13 @@ def workload_config(name: str, participating: int | None = None) -> dict[str, An
     return base
 
 
-def _with_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
+def _with_mode(cfg: dict[str, Any], mode: str, device: str = "cpu") -> dict[str, Any]:
     """``workers``: the sequential loop over one process per core; ``vectorized+workers``: a vmapped group
-    of clients per process; ``auto`` may use them too."""
+    of clients per process; ``auto`` may use them too. (On a GPU the engine runs workers in-process.)"""
     cores = os.cpu_count() or 1
     workers = 1 if mode in ("sequential", "vectorized") else cores
     engine_mode = {"workers": "sequential", "vectorized+workers": "vectorized"}.get(mode, mode)
-    return dict(cfg, engine={"mode": engine_mode, "workers": workers})
+    return dict(cfg, engine={"mode": engine_mode, "workers": workers, "device": device})
 
 
 def _timed(sim: Any, rounds: int, evaluate: bool) -> float:
@@ -107,10 +112,11 @@ def _timed(sim: Any, rounds: int, evaluate: bool) -> float:
 
 
 def measure_one(
-    workload: str, mode: str, rounds: int, quick: bool, participating: int | None
+    workload: str, mode: str, rounds: int, quick: bool, participating: int | None, device: str = "cpu"
 ) -> dict[str, Any]:
-    """One (workload, mode) in this process: timings, throughput, ceiling fraction, peak RSS."""
-    cfg = build_config(_with_mode(workload_config(workload, participating), mode))
+    """One (workload, mode) in this process: timings, throughput, ceiling fraction, peak RSS (and peak GPU
+    memory on a GPU)."""
+    cfg = build_config(_with_mode(workload_config(workload, participating), mode, device))
     fd = build_data(cfg)
     if quick and workload != "W3":
         shrink(fd, 0.1)
@@ -126,7 +132,7 @@ def measure_one(
     fps = train_flops_per_sample(
         model, sim.x_train[: cfg.client.batch_size], sim.y_train[: cfg.client.batch_size]
     )
-    mm, conv = gemm_ceilings()
+    mm, conv = gemm_ceilings(4096 if device.startswith("cuda") else 2048, device=device)
     gflops = fps * per_round / off / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
@@ -142,10 +148,14 @@ def measure_one(
         "ceiling_gflops": max(mm, conv),
         "ceiling_fraction": gflops / max(mm, conv),
         "peak_rss_bytes": rss + child,
+        "device": device,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0,
     }
 
 
-def write_bundle(workload: str, quick: bool, path: Path, participating: int | None) -> dict[str, Any]:
+def write_bundle(
+    workload: str, quick: bool, path: Path, participating: int | None, device: str = "cpu"
+) -> dict[str, Any]:
     """The workload's tensors, partition and settings for the Flower side (same data, model, hyper-params)."""
     cfg = build_config(workload_config(workload, participating))
     fd = build_data(cfg)
@@ -175,6 +185,7 @@ def write_bundle(workload: str, quick: bool, path: Path, participating: int | No
         "num_clients": n,
         "mean": torch.tensor(ds.mean).view(-1, 1, 1),
         "std": torch.tensor(ds.std).view(-1, 1, 1),
+        "device": device,
     }
     torch.save(bundle, path)
     return bundle
@@ -195,33 +206,39 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3"])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower side")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="engine.device of every run and of the Flower clients (default: cuda when present)",
+    )
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--flower", metavar="WORKLOAD", help=argparse.SUPPRESS)
     ap.add_argument("--participating", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     if args.one:
-        print(json.dumps(measure_one(args.one[0], args.one[1], rounds, args.quick, args.participating)))
+        one = measure_one(args.one[0], args.one[1], rounds, args.quick, args.participating, args.device)
+        print(json.dumps(one))
         return
     if args.flower:
         from flower_peer import flower_seconds_per_round
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "bundle.pt"
-            b = write_bundle(args.flower, args.quick, path, args.participating)
+            b = write_bundle(args.flower, args.quick, path, args.participating, args.device)
             cpus = os.cpu_count() or 1
             res = {
                 "flower_seconds_per_round": flower_seconds_per_round(
-                    path, rounds + 1, False, b["num_clients"], cpus
+                    path, rounds + 1, False, b["num_clients"], cpus, args.device
                 )
             }
             res["flower_seconds_per_round_eval"] = flower_seconds_per_round(
-                path, rounds + 1, True, b["num_clients"], cpus
+                path, rounds + 1, True, b["num_clients"], cpus, args.device
             )
         print(json.dumps(res))
         return
     extra = ["--quick"] if args.quick else []
-    extra += ["--rounds", str(rounds)]
+    extra += ["--rounds", str(rounds), "--device", args.device]
     for workload in args.workloads:
         rows = [run_subprocess(["--one", workload, mode, *extra]) for mode in args.modes]
         flower: dict[str, Any] = {}
@@ -234,19 +251,21 @@ def main() -> None:
         if workload == "W3":
             for k in (50, 100, 200):
                 scaling.append(run_subprocess(["--one", "W3", "auto", "--participating", str(k), *extra]))
-        report(workload, rows, flower, scaling, args.quick)
+        report(workload, rows, flower, scaling, args.quick, args.device)
 
 
-def report(workload: str, rows: list[dict], flower: dict, scaling: list[dict], quick: bool) -> None:
+def report(
+    workload: str, rows: list[dict], flower: dict, scaling: list[dict], quick: bool, device: str = "cpu"
+) -> None:
     head = (
-        f"{'mode':<12}{'ran as':<12}{'s/round':>9}{'eval on':>9}{'samples/s':>11}{'ceil':>7}{'peak RSS':>10}"
+        f"{'mode':<20}{'ran as':<20}{'s/round':>9}{'eval on':>9}{'samples/s':>11}{'ceil':>7}{'peak RSS':>10}"
     )
-    print(f"\n{workload}" + (" (quick)" if quick else ""))
+    print(f"\n{workload}" + (" (quick)" if quick else "") + f" on {device}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['mode']:<12}{r['resolved']:<12}{r['seconds_per_round']:>9.3f}"
+            f"{r['mode']:<20}{r['resolved']:<20}{r['seconds_per_round']:>9.3f}"
             f"{r['seconds_per_round_eval']:>9.3f}{r['samples_per_second']:>11.0f}"
             f"{100 * r['ceiling_fraction']:>6.1f}%{r['peak_rss_bytes'] / 2**30:>9.2f}G"
         )
@@ -254,7 +273,7 @@ def report(workload: str, rows: list[dict], flower: dict, scaling: list[dict], q
         best = min(rows, key=lambda r: r["seconds_per_round"])
         best_eval = min(rows, key=lambda r: r["seconds_per_round_eval"])
         f_off, f_on = flower["flower_seconds_per_round"], flower["flower_seconds_per_round_eval"]
-        print(f"{'flower':<24}{f_off:>9.3f}{f_on:>9.3f}")
+        print(f"{'flower':<40}{f_off:>9.3f}{f_on:>9.3f}")
         print(
             f"speed-up vs Flower: {f_off / best['seconds_per_round']:.2f}x eval off ({best['mode']}), "
             f"{f_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
@@ -265,7 +284,8 @@ def report(workload: str, rows: list[dict], flower: dict, scaling: list[dict], q
             f"({s['seconds_per_round'] / s['participating'] * 1000:.1f} ms per client, {s['resolved']})"
         )
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"engine_{workload.lower()}{'_quick' if quick else ''}.json"
+    gpu = "" if device == "cpu" else "_" + device.replace(":", "")
+    out = RESULTS / f"engine_{workload.lower()}{'_quick' if quick else ''}{gpu}.json"
     payload = {
         "workload": workload,
         "modes": rows,
@@ -274,6 +294,8 @@ def report(workload: str, rows: list[dict], flower: dict, scaling: list[dict], q
         "quick": quick,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
     }
     out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")

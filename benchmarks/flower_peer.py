@@ -62,12 +62,14 @@ def make_client_app():
         torch.set_num_threads(1)
         b = _bundle()
         cid = partition(context)
-        model = _model()
+        dev = torch.device(b["device"])
+        model = _model().to(dev)
         if b["algorithm"] == "fedproto" and "model" in context.state:
             model.load_state_dict(context.state["model"].to_torch_state_dict())
         elif b["algorithm"] != "fedproto":
             model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         protos = msg.content["protos"].to_torch_state_dict() if "protos" in msg.content else {}
+        protos = {k: v.to(dev) for k, v in protos.items()}
         opt = torch.optim.SGD(model.parameters(), lr=b["lr"], momentum=b["momentum"])
         model.train()
         n = 0
@@ -75,14 +77,16 @@ def make_client_app():
         counts: dict[int, int] = {}
         for _ in range(b["epochs"]):
             for xb, yb in _loader(cid, True):
-                xb = xb.float().div_(255.0).sub_(b["mean"]).div_(b["std"])
+                xb, yb = xb.to(dev), yb.to(dev)
+                xb = xb.float().div_(255.0).sub_(b["mean"].to(dev)).div_(b["std"].to(dev))
                 z = model.features(xb)
                 loss = F.cross_entropy(model.head(z), yb)
                 if protos:  # FedProto's regulariser: MSE to the global prototype of the sample's class
                     has = [str(int(c)) in protos for c in yb]
                     if any(has):
-                        target = torch.stack([protos.get(str(int(c)), torch.zeros(z.shape[1])) for c in yb])
-                        mask = torch.tensor(has, dtype=torch.float32)[:, None]
+                        zero = torch.zeros(z.shape[1], device=dev)
+                        target = torch.stack([protos.get(str(int(c)), zero) for c in yb])
+                        mask = torch.tensor(has, dtype=torch.float32, device=dev)[:, None]
                         loss = loss + b["lam"] * ((z - target) ** 2 * mask).mean()
                 opt.zero_grad()
                 loss.backward()
@@ -107,13 +111,15 @@ def make_client_app():
     def evaluate(msg: Message, context: Context) -> Message:
         torch.set_num_threads(1)
         b = _bundle()
-        model = _model()
+        dev = torch.device(b["device"])
+        model = _model().to(dev)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         model.eval()
         correct = total = 0
         with torch.no_grad():
             for xb, yb in _loader(partition(context), False):
-                xb = xb.float().div_(255.0).sub_(b["mean"]).div_(b["std"])
+                xb, yb = xb.to(dev), yb.to(dev)
+                xb = xb.float().div_(255.0).sub_(b["mean"].to(dev)).div_(b["std"].to(dev))
                 correct += int((model(xb).argmax(1) == yb).sum())
                 total += len(yb)
         metrics = MetricRecord({"accuracy": correct / max(total, 1), "num-examples": total})
@@ -185,7 +191,7 @@ def make_server_app(rounds: int, evaluate: bool, stamps: Path):
 
 
 def flower_seconds_per_round(
-    bundle_path: Path, rounds: int, evaluate: bool, num_clients: int, cpus: int
+    bundle_path: Path, rounds: int, evaluate: bool, num_clients: int, cpus: int, device: str = "cpu"
 ) -> float:
     """Median seconds per round (rounds 2..R) of the Flower simulation of the bundled workload."""
     from flwr.simulation import run_simulation
@@ -198,7 +204,8 @@ def flower_seconds_per_round(
         client_app=make_client_app(),
         num_supernodes=num_clients,
         backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            # on a GPU, one client per CPU shares it (Flower's documented fractional-GPU pattern)
+            "client_resources": {"num_cpus": 1, "num_gpus": 1.0 / cpus if device.startswith("cuda") else 0.0},
             "init_args": {"num_cpus": cpus, "include_dashboard": False},
         },
     )

@@ -28,19 +28,22 @@ from fedskew.experiment.runner import build_data, build_simulation
 RESULTS = Path(__file__).parent / "results"
 
 
-def gemm_ceilings(n: int = 2048, reps: int = 5) -> tuple[float, float]:
-    """GFLOP/s of an ``n^3`` float32 GEMM as ``torch.mm`` and as a 1x1 convolution."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_ceilings(n: int = 2048, reps: int = 5, device: str = "cpu") -> tuple[float, float]:
+    """GFLOP/s of an ``n^3`` float32 GEMM as ``torch.mm`` and as a 1x1 convolution on ``device``."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     x = a.t().contiguous().view(1, n, n, 1)  # [1, C_in=n, H=n, W=1]: conv computes b @ a^T-shaped GEMM
     w = b.view(n, n, 1, 1)
     flops = 2 * n**3
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def best(fn) -> float:
         fn()
         times = []
         for _ in range(reps):
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t)
         return flops / min(times) / 1e9
 

@@ -20,6 +20,7 @@ def seed_torch(seed: int, device: torch.device) -> None:
     """
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        with torch.cuda.device(device):  # the generator of the run's device, not of the current one
+            torch.cuda.manual_seed(seed)
     elif device.type != "cpu":
         torch.manual_seed(seed)
