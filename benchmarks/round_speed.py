@@ -4,6 +4,8 @@ same process (a float32 2048^3 ``torch.mm`` and the same GEMM run as a 1x1 convo
 
 Workload (issue 3): MNIST, 20 clients, Dirichlet(0.5), 1 local epoch; ``cnn_mnist`` at batch 32 and
 ``cnn_fedproto`` at batch 8. Needs MNIST under ``$FEDSKEW_DATA`` (e.g. ``FEDSKEW_DATA=../shared/data``).
+Every variant trains the same model instance (the engine's, in its memory format); their rounds are timed in
+turn and the median reported, so drift of a shared machine does not favour whichever variant ran first.
 
     python benchmarks/round_speed.py            # full MNIST (60k samples per round)
     python benchmarks/round_speed.py --quick    # 10% of MNIST per client, fewer timed rounds
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,17 +85,18 @@ def shrink(fd, fraction: float) -> None:
     fd.train_idx = [idx[: max(2, int(len(idx) * fraction))] for idx in fd.train_idx]
 
 
-def time_engine(sim, rounds: int, evaluate: bool) -> float:
-    sim.eval.every = 1 if evaluate else 10**9
-    sim.rounds = 10**9
-    sim.run_round()  # warm-up
-    t = time.perf_counter()
-    for _ in range(rounds):
+def engine_round(sim, evaluate: bool) -> Callable[[], None]:
+    """One round of the engine, with or without its default evaluation."""
+
+    def one_round() -> None:
+        sim.eval.every = 1 if evaluate else 10**9
+        sim.rounds = 10**9
         sim.run_round()
-    return (time.perf_counter() - t) / rounds
+
+    return one_round
 
 
-def time_tight_loop(sim, rounds: int, batch: int, lr: float, momentum: float) -> float:
+def tight_loop_round(sim, batch: int, lr: float, momentum: float) -> Callable[[], None]:
     """Tensors in memory, one reused model, weights copied in place, FedAvg by stacking."""
     model = sim.model_for(0)
     gstate = {k: v.clone() for k, v in model.state_dict().items()}
@@ -117,14 +122,10 @@ def time_tight_loop(sim, rounds: int, batch: int, lr: float, momentum: float) ->
         for k in gstate:
             gstate[k] = sum(wi * s[k].float() for wi, s in zip(w, states, strict=True)).to(gstate[k].dtype)
 
-    one_round()
-    t = time.perf_counter()
-    for _ in range(rounds):
-        one_round()
-    return (time.perf_counter() - t) / rounds
+    return one_round
 
 
-def time_dataloader_loop(sim, rounds: int, batch: int, lr: float, momentum: float) -> float:
+def dataloader_round(sim, batch: int, lr: float, momentum: float) -> Callable[[], None]:
     """The common research-code pattern: a DataLoader per client per round and a deep copy of the model."""
     global_model = sim.model_for(0)
     x_all, y_all = sim.x_train, sim.y_train
@@ -149,20 +150,30 @@ def time_dataloader_loop(sim, rounds: int, batch: int, lr: float, momentum: floa
         }
         global_model.load_state_dict(avg)
 
-    one_round()
-    t = time.perf_counter()
-    for _ in range(rounds):
+    return one_round
+
+
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median seconds per round of each variant, after a warm-up round each, the variants' rounds taken in
+    turn (A B C D A B C D ...) so that a slow spell of a shared machine hits every variant alike."""
+    for one_round in variants.values():
         one_round()
-    return (time.perf_counter() - t) / rounds
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, one_round in variants.items():
+            t = time.perf_counter()
+            one_round()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="10%% of each client's data, 1 timed round")
+    ap.add_argument("--quick", action="store_true", help="10%% of each client's data, 1 timed round each")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
     ap.add_argument("--models", nargs="+", default=["cnn_mnist", "cnn_fedproto"], help="workloads to run")
     args = ap.parse_args()
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     torch.manual_seed(0)
     mm, conv = gemm_ceilings()
     ceiling = max(mm, conv)
@@ -180,12 +191,15 @@ def main() -> None:
         samples = sum(len(i) for i in sim.train_idx)
         m = sim.model_for(0)
         fps = train_flops_per_sample(m, sim.x_train[:batch], sim.y_train[:batch])
-        variants = {
-            "engine (eval off)": time_engine(sim, rounds, evaluate=False),
-            "engine (eval on)": time_engine(sim, rounds, evaluate=True),
-            "tight loop": time_tight_loop(sim, rounds, batch, 0.01, 0.5),
-            "DataLoader + deepcopy": time_dataloader_loop(sim, rounds, batch, 0.01, 0.5),
-        }
+        variants = interleaved(
+            {
+                "engine (eval off)": engine_round(sim, evaluate=False),
+                "engine (eval on)": engine_round(sim, evaluate=True),
+                "tight loop": tight_loop_round(sim, batch, 0.01, 0.5),
+                "DataLoader + deepcopy": dataloader_round(sim, batch, 0.01, 0.5),
+            },
+            rounds,
+        )
         for name, spr in variants.items():
             gflops = fps * samples / spr / 1e9
             rows.append(
