@@ -237,12 +237,14 @@ def test_worker_arena_round_trips_tensors_and_falls_back_inline_when_full():
         "scalar": torch.tensor(3.0),
         "empty": torch.zeros(0, 4),
         "nested": [torch.ones(3, requires_grad=True), ("text", 1.5)],
+        "param": torch.nn.Parameter(torch.ones(2)),
     }
     arena = Arena(nbytes=4096)
     out = arena.loads(arena.dumps(msg))
     for key in ("w", "view", "half", "mask", "ids", "scalar", "empty"):
         assert out[key].dtype == msg[key].dtype and torch.equal(out[key], msg[key]), key
     assert out["nested"][0].requires_grad and out["nested"][1] == ("text", 1.5)
+    assert isinstance(out["param"], torch.nn.Parameter)
     big = torch.randn(2000)  # 8,000 bytes > the 4,096-byte arena: pickled inline, still exact
     data = arena.dumps({"big": big, "small": torch.ones(2)})
     assert len(data) > 8000 and torch.equal(arena.loads(data)["big"], big)

@@ -61,8 +61,15 @@ class Arena:
     """
 
     def __init__(self, nbytes: int = ARENA_BYTES) -> None:
+        while True:  # under strict overcommit accounting a large mapping may be refused: take less
+            try:
+                self._map = mmap.mmap(-1, nbytes)
+                break
+            except OSError:
+                if nbytes <= 1 << 24:
+                    raise
+                nbytes //= 2
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def dumps(self, obj: Any) -> bytes:
@@ -72,8 +79,8 @@ class Arena:
         class _Pickler(pickle.Pickler):
             def persistent_id(self, o: Any) -> Any:
                 nonlocal offset
-                if not isinstance(o, torch.Tensor) or o.layout != torch.strided or o.device.type != "cpu":
-                    return None
+                if type(o) is not torch.Tensor or o.layout != torch.strided or o.device.type != "cpu":
+                    return None  # parameters and other subclasses keep their type: pickled inline
                 flat = o.detach().contiguous().reshape(-1)
                 n = flat.numel() * flat.element_size()
                 if offset + n > arena.numel():
