@@ -208,6 +208,14 @@ def test_memory_format_auto_uses_channels_last_for_cpu_convolutions_and_changes_
         par.close()
     vec = build_simulation(build_config(conv_config("auto", mode="vectorized")))
     assert not _is_channels_last(vec.model_for(0))  # vmap stacks the weights: left in NCHW
+    # NCHW sequential and vectorized agree to 1e-5 on a (dropout-free) convolutional model
+    seq_cfg, vec_cfg = conv_config("contiguous"), conv_config("auto", mode="vectorized")
+    for cfg in (seq_cfg, vec_cfg):
+        cfg["model"]["dropout"] = 0.0
+    seq, vec = build_simulation(build_config(seq_cfg)), build_simulation(build_config(vec_cfg))
+    a, b = seq.run_round().record, vec.run_round().record
+    assert vec._resolved == "vectorized"
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
     mlp = build_simulation(build_config(worker_config("fedavg", 1)))
     assert mlp.memory_format == "auto" and not any(p.dim() == 4 for p in mlp.model_for(0).parameters())
     with pytest.raises(Exception, match="memory_format"):
