@@ -137,21 +137,31 @@ def _strip_timing(records):
     return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in records]
 
 
-def test_resume_after_kill_gives_the_same_metrics(tmp_path):
-    """Kill a real `fedskew run` process mid-way, resume it, compare with an uninterrupted run."""
-    cfg = digits_config(rounds=8, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
+def _start_run(
+    cfg: dict, tmp_path: Path, out: Path, min_rounds: int
+) -> tuple[subprocess.Popen, list[str], dict[str, str]]:
+    """Start ``fedskew run`` on ``cfg`` in its own process group; return once ``min_rounds`` are logged."""
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fedskew.cli", "run", str(path), "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         done = out / "metrics.jsonl"
-        if done.exists() and len(done.read_text().splitlines()) >= 3:
+        if done.exists() and len(done.read_text().splitlines()) >= min_rounds:
             break
         time.sleep(0.05)
+    return proc, cmd, env
+
+
+def test_resume_after_kill_gives_the_same_metrics(tmp_path):
+    """Kill a real `fedskew run` process mid-way, resume it, compare with an uninterrupted run."""
+    cfg = digits_config(rounds=8, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
+    out = tmp_path / "killed"
+    proc, cmd, env = _start_run(cfg, tmp_path, out, min_rounds=3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     ran = len((out / "metrics.jsonl").read_text().splitlines())
@@ -167,6 +177,35 @@ def test_resume_after_kill_gives_the_same_metrics(tmp_path):
     s1 = json.loads((out / "summary.json").read_text())
     s2 = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert s1["final"] == s2["final"] and s1["bytes_up"] == s2["bytes_up"]
+
+
+def test_ctrl_c_with_workers_exits_130_stops_them_and_resumes_to_the_same_metrics(tmp_path):
+    """Ctrl-C (SIGINT to the process group) mid-run: exit 130 with a one-line message, no worker left
+    behind, and ``--resume`` finishes with the uninterrupted run's metrics."""
+    cfg = digits_config(
+        rounds=8,
+        checkpoint={"every": 1},
+        client={"epochs": 3, "batch_size": 8, "lr": 0.05},
+        engine={"workers": 2, "mode": "sequential"},
+    )
+    out = tmp_path / "interrupted"
+    proc, cmd, env = _start_run(cfg, tmp_path, out, min_rounds=2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    ran = len((out / "metrics.jsonl").read_text().splitlines())
+    assert proc.returncode == 130 and "continue with --resume" in err, err
+    assert 2 <= ran < 8, "the run must be interrupted mid-way"
+    with pytest.raises(ProcessLookupError):  # the whole group (parent and workers) is gone
+        for _ in range(100):
+            os.killpg(proc.pid, 0)
+            time.sleep(0.05)
+    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    resumed = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    run_experiment(build_config(cfg), tmp_path / "straight")
+    expected = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in resumed] == list(range(1, 9))
+    assert _strip_timing(resumed) == _strip_timing(expected)
 
 
 def test_cli_bad_input_exits_2(tmp_path):

@@ -164,7 +164,12 @@ def data_show(
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode typer *returns* the exit code of an Exit, and Ctrl-C becomes Exit(130)
+        code = app(standalone_mode=False)
+        if code == 130:
+            raise KeyboardInterrupt
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except FedskewError as err:
         print(f"error: {err}", file=sys.stderr)  # one unwrapped line
         sys.exit(2)

@@ -300,7 +300,12 @@ class Simulation:
             if self._pool is None:
                 self._pool = WorkerPool(self, min(self.workers, self.num_clients))
             size = lambda cid: float(self.train_idx[cid].numel())  # noqa: E731
-            return self._pool.train(self, cids, round_idx, size, vectorized=vectorized)
+            try:
+                return self._pool.train(self, cids, round_idx, size, vectorized=vectorized)
+            except BaseException:  # failed or interrupted mid-round: the workers' tasks are abandoned
+                self._pool.close(terminate=True)
+                self._pool = None
+                raise
         return [self.train_client(cid, round_idx) for cid in cids]
 
     def _train_vectorized(self, cids: list[int], round_idx: int) -> list[ClientOutcome]:

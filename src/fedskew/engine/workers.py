@@ -28,6 +28,7 @@ import logging
 import mmap
 import pickle
 import queue
+import signal
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_ar
     sim = _INHERITED
     assert sim is not None
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     while True:
         message = inbox.get()
         if message is None:
@@ -143,7 +145,7 @@ def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_ar
                 outcome: Any = sim._train_vectorized(cids, round_idx)
             else:
                 outcome = [sim.train_client(cid, round_idx) for cid in cids]
-        except BaseException as err:  # sent back: the parent raises it with the client's id
+        except Exception as err:  # sent back: the parent raises it with the client's id
             outcome = WorkerFailure(cids[0], err)
         for cid in cids:
             sim.client_states.pop(cid, None)  # the parent owns client state
@@ -240,14 +242,19 @@ class WorkerPool:
                         "rerun with engine.workers=1 to see the error in-process"
                     ) from None
 
-    def close(self) -> None:
-        """Stop the workers (idempotent)."""
-        for box, p in zip(self.inboxes, self.procs, strict=True):
-            if p.is_alive():
-                with contextlib.suppress(OSError, ValueError):  # the worker may already be gone
-                    box.put(None)
+    def close(self, terminate: bool = False) -> None:
+        """Stop the workers (idempotent): let them finish their task, or with ``terminate`` (a round that
+        failed or was interrupted) stop them at once."""
+        if not terminate:
+            for box, p in zip(self.inboxes, self.procs, strict=True):
+                if p.is_alive():
+                    with contextlib.suppress(OSError, ValueError):  # the worker may already be gone
+                        box.put(None)
         for p in self.procs:
+            if terminate:
+                p.terminate()
             p.join(timeout=5)
             if p.is_alive():
-                p.terminate()
+                p.kill()
+                p.join(timeout=5)
         self.procs, self.inboxes = [], []
