@@ -21,7 +21,7 @@ def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequenti
         data={"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}},
         client={"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5, "fraction": 0.67, **client},
     )
-    if alg == "fedproto":
+    if alg in ("fedproto", "local"):  # no global model
         cfg["eval"] = {"protocol": "personalized", "every": 1}
     return cfg
 
@@ -64,20 +64,46 @@ def test_unsupported_device_falls_back_in_process(monkeypatch, caplog):
     assert "needs engine.device=cpu" in caplog.text
 
 
-@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam", "fedproto"])
-def test_vectorized_matches_the_sequential_loop(alg):
+@pytest.mark.parametrize(
+    "alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam", "fedproto", "fedent", "fedcos", "local"]
+)
+def test_vectorized_matches_the_sequential_loop(alg, caplog):
     # ragged clients (Dirichlet sizes, a short last batch), 2 epochs, momentum and weight decay
     opts = {"epochs": 2, "batch_size": 16, "weight_decay": 1e-3}
     seq = build_simulation(build_config(worker_config(alg, 1, **opts)))
     vec = build_simulation(build_config(worker_config(alg, 1, mode="vectorized", **opts)))
     for _ in range(2):
-        a, b = seq.run_round().record, vec.run_round().record
+        a = seq.run_round().record
+        with caplog.at_level("WARNING", logger="fedskew.engine"):
+            b = vec.run_round().record
         for key in ("accuracy", "loss", "train_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-5)
-    assert vec._resolved == "vectorized"
+    assert vec._resolved == "vectorized" and "sequentially" not in caplog.text  # no silent fallback
     for key, value in seq.server.items():
         if isinstance(value, torch.Tensor):
             assert torch.allclose(value, vec.server[key], rtol=1e-5, atol=1e-6)
+
+
+def test_vectorized_steps_each_client_at_its_own_learning_rate(monkeypatch, caplog):
+    from fedskew.algorithms.base import Phase
+
+    def start_local(self, model, payload, state, client):  # FedEnt-style per-client rates: 1x, 2x, 3x
+        self.load_model(model, payload, state)
+        return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr * (1 + client.cid % 3))]
+
+    monkeypatch.setattr(FedAvg, "start_local", start_local)
+    opts = {"epochs": 2, "batch_size": 16, "fraction": 1.0}
+    seq = build_simulation(build_config(worker_config("fedavg", 1, **opts)))
+    vec = build_simulation(build_config(worker_config("fedavg", 1, mode="vectorized", **opts)))
+    r = seq.round + 1
+    a = {o.cid: o for o in seq._train_clients(seq.schedule[0].tolist(), r)}
+    with caplog.at_level("WARNING", logger="fedskew.engine"):
+        b = {o.cid: o for o in vec._train_clients(vec.schedule[0].tolist(), r)}
+    assert vec._resolved == "vectorized" and "sequentially" not in caplog.text  # really vmapped
+    assert len({a[c].loss for c in a}) > 1
+    for cid, out in a.items():
+        for key, t in out.upload.payload.tensors.items():
+            assert torch.allclose(t, b[cid].upload.payload.tensors[key], rtol=1e-5, atol=1e-6), (cid, key)
 
 
 @pytest.mark.parametrize("alg", ["fedavg", "fedproto"])

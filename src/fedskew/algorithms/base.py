@@ -185,9 +185,10 @@ class Algorithm:
     #: :meth:`init_scratch` made (updated in place, e.g. accumulators), so ``engine.mode=vectorized`` may
     #: train the round's clients at once (fedskew.engine.vectorized)
     vectorizable: ClassVar[bool] = False
-    #: ``local_loss`` reads the payload's tensors; ``False`` when :meth:`init_scratch` turns them into dense
-    #: per-client tensors, so clients whose payloads differ in shape can still be vectorized
-    loss_reads_payload: ClassVar[bool] = True
+    #: what ``local_loss`` reads besides the model, the batch and ``scratch``: the vectorized engine stacks
+    #: only these over clients, so payloads (or states) that differ in shape between clients do not stop it
+    #: when the loss does not read them (FedProto: dense tensors from :meth:`init_scratch` instead)
+    loss_reads: ClassVar[frozenset[str]] = frozenset({"payload", "state"})
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params

@@ -16,3 +16,4 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     vectorizable = True
+    loss_reads = frozenset()  # plain cross-entropy: nothing of the payload or state is stacked

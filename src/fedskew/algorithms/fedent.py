@@ -361,6 +361,9 @@ class FedEnt(Algorithm):
     """FedEnt (Zheng et al. 2024): per-client, per-round learning rate from the entropy mean-field control."""
 
     name = "fedent"
+    # plain cross-entropy at a per-client rate: the vectorized engine steps each client with its own η
+    vectorizable = True
+    loss_reads = frozenset()
 
     class Params(RateParams):
         eq24: Literal["consistent", "printed"] = Field(
@@ -625,6 +628,8 @@ class FedCos(Algorithm):
     """FedCos (after Wu & Wang 2021, as in FedEnt Eq. 59): aggregation weights = cos(w_i, w), static lr."""
 
     name = "fedcos"
+    vectorizable = True  # plain cross-entropy; only the aggregation differs
+    loss_reads = frozenset()
 
     class Params(HyperParams):
         cosine_of: Literal["models", "updates"] = Field(

@@ -45,6 +45,7 @@ class ServerOptimizer(Algorithm):
 
     slots: ClassVar[tuple[str, ...]] = ("m",)
     vectorizable = True
+    loss_reads = frozenset()  # plain cross-entropy
 
     def init_slot(self, slot: str, param: Tensor) -> Tensor:
         return torch.zeros_like(param)

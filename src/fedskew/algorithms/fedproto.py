@@ -82,7 +82,7 @@ class FedProto(Algorithm):
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
     vectorizable: ClassVar[bool] = True  # dense prototype table and last-epoch sums in init_scratch
-    loss_reads_payload: ClassVar[bool] = False
+    loss_reads: ClassVar[frozenset[str]] = frozenset()  # the loss reads only its init_scratch tensors
 
     class Params(HyperParams):
         lam: float = Field(

@@ -31,6 +31,7 @@ class Local(Algorithm):
 
     name = "local"
     vectorizable = True
+    loss_reads = frozenset()  # plain cross-entropy
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
 

@@ -19,8 +19,9 @@ pick it there.
 
 An algorithm opts in with ``vectorizable = True``: its ``local_loss`` must be a pure function of the model,
 the batch, the payload, the client state and the ``init_scratch`` tensors (no per-client modules loaded in
-``start_local``, no data-dependent Python branching). With ``loss_reads_payload = False`` the payloads are
-not stacked, so they may differ in shape between clients (FedProto's prototypes of each client's classes).
+``start_local``, no data-dependent Python branching). Only what the loss reads (``loss_reads``: payload,
+state) is stacked, so FedProto's payloads (each client's own classes) may differ in shape. Clients may run
+different learning rates (FedEnt's per-client η): the functional SGD step takes one per client.
  Models with BatchNorm running
 statistics cannot update them under ``vmap``. :func:`unsupported_reason` says why a run falls back. Dropout
 works (``randomness="different"``), but its random stream differs from the sequential loop's.
@@ -109,8 +110,9 @@ class _Client:
 
 
 def _phase_key(phase: Phase, names: list[str]) -> tuple:
+    """What must be equal across the clients of a vmap call (the learning rate may differ)."""
     trainable = tuple(n for n in names if phase.trainable is None or phase.trainable(n))
-    return (phase.epochs, phase.lr, phase.momentum, trainable)
+    return (phase.epochs, phase.momentum, trainable)
 
 
 def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], Any, list[int]]:
@@ -191,15 +193,17 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
     keys = {tuple(_phase_key(p, names) for p in c.phases) for c in clients}
     if len(keys) > 1:
         raise NotVectorizable("clients run different local phases")
-    if len({tuple(sorted(c.payload.scalars.items())) for c in clients}) > 1:
+    reads_payload = "payload" in alg.loss_reads
+    if reads_payload and len({tuple(sorted(c.payload.scalars.items())) for c in clients}) > 1:
         raise NotVectorizable("clients' payload scalars differ")
     buffers = {n: b for n, b in model.named_buffers()}
     params = {n: torch.stack([s[n] for s in starts]) for n in names}
-    payloads = [c.payload.tensors if alg.loss_reads_payload else {} for c in clients]
+    payloads = [c.payload.tensors if reads_payload else {} for c in clients]
     pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees(payloads, "payloads")
-    st_t, st_leaves, st_spec, st_pos = _stack_trees([c.state for c in clients], "states")
+    states = [c.state if "state" in alg.loss_reads else {} for c in clients]
+    st_t, st_leaves, st_spec, st_pos = _stack_trees(states, "states")
     scratch_t = _stack_scratch([c.scratch for c in clients])
-    scalars = dict(clients[0].payload.scalars)
+    scalars = dict(clients[0].payload.scalars) if reads_payload else {}
 
     def loss_fn(
         train: dict[str, Tensor],
@@ -224,16 +228,19 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
     )
     model.train()
     phases = clients[0].phases
+    decay = cfg.lr_decay ** (round_idx - 1)
     for p_i, phase in enumerate(phases):
-        trainable = list(_phase_key(phase, names)[3])
+        trainable = list(_phase_key(phase, names)[2])
         momentum = cfg.momentum if phase.momentum is None else phase.momentum
-        lr = phase.lr * cfg.lr_decay ** (round_idx - 1)
+        client_lrs = [c.phases[p_i].lr * decay for c in clients]
+        lr = torch.tensor(client_lrs, dtype=params[names[0]].dtype, device=params[names[0]].device)
         bufs = {n: torch.zeros_like(params[n]) for n in trainable}
         for epoch in range(phase.epochs):
             last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
             for c in clients:
                 c.batches = _epoch_batches(c.view.num_samples, cfg.batch_size, c.generator, sim.device)
-                c.total, c.count, c.lr = 0.0, 0, lr
+            for c, c_lr in zip(clients, client_lrs, strict=True):
+                c.total, c.count, c.lr = 0.0, 0, c_lr
             for t in range(max(len(c.batches) for c in clients)):
                 groups: dict[int, list[int]] = {}
                 for k, c in enumerate(clients):
@@ -294,7 +301,7 @@ def _step(
     scratch_t: dict[str, Tensor],
     epoch: int,
     last: bool,
-    lr: float,
+    lr: Tensor,
     momentum: float,
     weight_decay: float,
 ) -> None:
@@ -322,7 +329,8 @@ def _step(
         for n in trainable:
             g = grads[n] + weight_decay * train[n] if weight_decay else grads[n]
             buf = momentum * take(bufs[n]) + g if momentum else g
-            new = train[n] - lr * buf
+            lr_n = take(lr).view(-1, *[1] * (buf.dim() - 1))  # one learning rate per client
+            new = train[n] - lr_n * buf
             if sel is None:
                 params[n].copy_(new)
                 if momentum:
