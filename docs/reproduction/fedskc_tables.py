@@ -10,6 +10,7 @@ same balanced test set). Ablation folders are ``abl-<variant>`` (all on fmnist-d
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,11 @@ def final(r: RunResult) -> float:
     return 100 * r.summary["final"]["accuracy"]
 
 
-def main_table(runs: dict[str, list[RunResult]]) -> None:
+def method_table(
+    runs: dict[str, list[RunResult]], metric: Callable[[RunResult], float] = final, counts: bool = True
+) -> None:
+    """Methods x settings: ``metric`` mean ± std over seeds, the seed-matched gap to FedAvg and, with
+    ``counts``, the number of seeds."""
     print("| Method | " + " | ".join(label for _, label in SETTINGS) + " |")
     print("|---|" + "---|" * len(SETTINGS))
     for label, m in METHODS:
@@ -70,12 +75,12 @@ def main_table(runs: dict[str, list[RunResult]]) -> None:
             if not rs:
                 cells.append("—")
                 continue
-            gap = paired_gap(rs, runs.get(f"{s}-fedavg", []))
-            cells.append(
-                f"{seeds_cell(rs)} ({gap:+.2f}) [{len(rs)}]"
-                if m != "fedavg"
-                else f"{seeds_cell(rs)} [{len(rs)}]"
-            )
+            vals = np.array([metric(r) for r in rs])
+            cell = f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
+            gap = paired_gap(rs, runs.get(f"{s}-fedavg", []), metric)
+            if m != "fedavg" and not np.isnan(gap):
+                cell += f" ({gap:+.2f})"
+            cells.append(f"{cell} [{len(rs)}]" if counts else cell)
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
@@ -85,23 +90,6 @@ def tail_mean(r: RunResult, k: int = 5) -> float:
     last = r.summary["rounds"]
     acc = [m["accuracy"] for m in r.metrics if m.get("accuracy") is not None and m["round"] > last - k]
     return 100 * float(np.mean(acc))  # FedProto, evaluated every 5 rounds: its final round only
-
-
-def tail_table(runs: dict[str, list[RunResult]]) -> None:
-    print("| Method | " + " | ".join(label for _, label in SETTINGS) + " |")
-    print("|---|" + "---|" * len(SETTINGS))
-    for label, m in METHODS:
-        cells = []
-        for s, _ in SETTINGS:
-            rs, base = runs.get(f"{s}-{m}", []), {r.config["seed"]: r for r in runs.get(f"{s}-fedavg", [])}
-            if not rs:
-                cells.append("—")
-                continue
-            vals = np.array([tail_mean(r) for r in rs])
-            cell = f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
-            gaps = [tail_mean(r) - tail_mean(base[r.config["seed"]]) for r in rs if r.config["seed"] in base]
-            cells.append(cell if m == "fedavg" or not gaps else f"{cell} ({np.mean(gaps):+.2f})")
-        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def per_seed(runs: dict[str, list[RunResult]], setting: str) -> None:
@@ -138,10 +126,12 @@ def convergence(runs: dict[str, list[RunResult]], setting: str) -> None:
         print(f"| {label} | {' | '.join(cells)} | {seeds_cell(rs)} |")
 
 
-def paired_gap(rs: list[RunResult], base: list[RunResult]) -> float:
+def paired_gap(
+    rs: list[RunResult], base: list[RunResult], metric: Callable[[RunResult], float] = final
+) -> float:
     """Mean over the seeds both have of (run − base): seed-matched, so partial seed sets stay comparable."""
-    by_seed = {r.config["seed"]: final(r) for r in base}
-    diffs = [final(r) - by_seed[r.config["seed"]] for r in rs if r.config["seed"] in by_seed]
+    by_seed = {r.config["seed"]: metric(r) for r in base}
+    diffs = [metric(r) - by_seed[r.config["seed"]] for r in rs if r.config["seed"] in by_seed]
     return float(np.mean(diffs)) if diffs else float("nan")
 
 
@@ -246,9 +236,9 @@ def plot_diagnostics(runs: dict[str, list[RunResult]], path: Path) -> Path:
 def main(root: Path) -> None:
     runs = runs_by_folder(root)
     print("## Final-round accuracy (%), mean ± std over seeds (gap to FedAvg) [seeds]\n")
-    main_table(runs)
+    method_table(runs)
     print("\n## Mean accuracy (%) of the last 5 rounds (21-25), mean ± std over seeds (gap to FedAvg)\n")
-    tail_table(runs)
+    method_table(runs, tail_mean, counts=False)
     for s, label in SETTINGS:
         print(f"\n## Per seed, {label}\n")
         per_seed(runs, s)

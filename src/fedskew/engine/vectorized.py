@@ -133,20 +133,6 @@ def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], 
     return stacked, list(leaves0), spec, tensor_pos
 
 
-def _stack_scratch(scratches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """The clients' ``init_scratch`` tensors stacked name by name (``[K, ...]``)."""
-    names = sorted(scratches[0])
-    if any(sorted(s) != names for s in scratches):
-        raise NotVectorizable("clients' init_scratch names differ")
-    out = {}
-    for n in names:
-        values = [s[n] for s in scratches]
-        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
-            raise NotVectorizable(f"clients' init_scratch tensor {n!r} differs in shape or dtype")
-        out[n] = torch.stack(values)
-    return out
-
-
 def _rebuild(leaves: list[Any], spec: Any, tensor_pos: list[int], tensors: list[Tensor]) -> Any:
     out = list(leaves)
     for i, t in zip(tensor_pos, tensors, strict=True):
@@ -202,7 +188,8 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
     pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees(payloads, "payloads")
     states = [c.state if "state" in alg.loss_reads else {} for c in clients]
     st_t, st_leaves, st_spec, st_pos = _stack_trees(states, "states")
-    scratch_t = _stack_scratch([c.scratch for c in clients])
+    sc_t, sc_leaves, sc_spec, sc_pos = _stack_trees([c.scratch for c in clients], "init_scratch tensors")
+    scratch_t: dict[str, Tensor] = _rebuild(sc_leaves, sc_spec, sc_pos, sc_t)
     scalars = dict(clients[0].payload.scalars) if reads_payload else {}
 
     def loss_fn(

@@ -51,6 +51,42 @@ ARENA_BYTES = 1 << 30
 _ALIGN = 64
 
 
+class _ArenaPickler(pickle.Pickler):
+    """Writes each plain CPU tensor's bytes into ``arena`` at the next aligned offset and pickles only the
+    reference ``(offset, dtype, shape, requires_grad)``."""
+
+    def __init__(self, file: io.BytesIO, arena: torch.Tensor) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arena, self.offset = arena, 0
+
+    def persistent_id(self, o: Any) -> Any:
+        if type(o) is not torch.Tensor or o.layout != torch.strided or o.device.type != "cpu":
+            return None  # parameters and other subclasses keep their type: pickled inline
+        flat = o.detach().contiguous().reshape(-1)
+        n = flat.numel() * flat.element_size()
+        if self.offset + n > self.arena.numel():
+            return None  # does not fit: pickled inline
+        if n:
+            self.arena[self.offset : self.offset + n].copy_(flat.view(torch.uint8))
+        pid = (self.offset, o.dtype, tuple(o.shape), o.requires_grad)
+        self.offset += -(-n // _ALIGN) * _ALIGN
+        return pid
+
+
+class _ArenaUnpickler(pickle.Unpickler):
+    """Rebuilds the tensors :class:`_ArenaPickler` referenced, as copies out of ``arena``."""
+
+    def __init__(self, file: io.BytesIO, arena: torch.Tensor) -> None:
+        super().__init__(file)
+        self.arena = arena
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        offset, dtype, shape, requires_grad = pid
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        t = self.arena[offset : offset + n].view(dtype).reshape(shape).clone()
+        return t.requires_grad_(requires_grad)
+
+
 class Arena:
     """A shared anonymous memory mapping that carries the tensors of one message at a time.
 
@@ -74,38 +110,12 @@ class Arena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def dumps(self, obj: Any) -> bytes:
-        out, offset = io.BytesIO(), 0
-        arena = self._bytes
-
-        class _Pickler(pickle.Pickler):
-            def persistent_id(self, o: Any) -> Any:
-                nonlocal offset
-                if type(o) is not torch.Tensor or o.layout != torch.strided or o.device.type != "cpu":
-                    return None  # parameters and other subclasses keep their type: pickled inline
-                flat = o.detach().contiguous().reshape(-1)
-                n = flat.numel() * flat.element_size()
-                if offset + n > arena.numel():
-                    return None  # does not fit: pickled inline
-                if n:
-                    arena[offset : offset + n].copy_(flat.view(torch.uint8))
-                pid = (offset, o.dtype, tuple(o.shape), o.requires_grad)
-                offset += -(-n // _ALIGN) * _ALIGN
-                return pid
-
-        _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        out = io.BytesIO()
+        _ArenaPickler(out, self._bytes).dump(obj)
         return out.getvalue()
 
     def loads(self, data: bytes) -> Any:
-        arena = self._bytes
-
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> torch.Tensor:
-                offset, dtype, shape, requires_grad = pid
-                n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                t = arena[offset : offset + n].view(dtype).reshape(shape).clone()
-                return t.requires_grad_(requires_grad)
-
-        return _Unpickler(io.BytesIO(data)).load()
+        return _ArenaUnpickler(io.BytesIO(data), self._bytes).load()
 
 
 @dataclass
