@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fedskew.algorithms.base import ClientConfig, Context
+from fedskew.algorithms.base import Context
+from fedskew.settings import ClientSection
 from fedskew.models.base import FedModel
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
@@ -65,7 +66,7 @@ def tiny_context() -> Context:
         num_classes=3,
         in_shape=(2,),
         device=torch.device("cpu"),
-        client=ClientConfig(epochs=1, batch_size=4, lr=0.1),
+        client=ClientSection(epochs=1, batch_size=4, lr=0.1),
         client_sizes=torch.tensor([3, 3]),
         class_counts=torch.tensor([[2, 1, 0], [0, 1, 2]]),
         rounds=2,

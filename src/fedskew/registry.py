@@ -6,7 +6,7 @@ Registry names are public API (configs and the CLI use them).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from fedskew.errors import ConfigError, did_you_mean
@@ -58,3 +58,35 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, str]]:
         """``[(name, one-line doc), ...]`` sorted by name."""
         return [(n, self.summary(n)) for n in self.names()]
+
+
+def option_names(
+    fn: Callable[..., object], skip: int = 0, reserved: frozenset[str] = frozenset()
+) -> list[str]:
+    """The keyword options ``fn`` accepts (its signature after the first ``skip`` parameters, minus
+    ``reserved`` names the caller fills in itself); follows ``functools.wraps`` to the real signature."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    return [
+        p.name
+        for p in params
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in reserved
+    ]
+
+
+def check_options(
+    fn: Callable[..., object],
+    options: Mapping[str, object],
+    subject: str,
+    skip: int = 0,
+    reserved: frozenset[str] = frozenset(),
+) -> None:
+    """Reject options ``fn`` does not accept in one line: ``subject`` (a template with ``{key}``, e.g.
+    ``"config key 'model.{key}': unknown option"``), a did-you-mean and the allowed names. A ``**kwargs``
+    signature accepts anything. The one option validator of configs, model factories and dataset loaders."""
+    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+        return
+    allowed = option_names(fn, skip, reserved)
+    for key in options:
+        if key not in allowed:
+            names = ", ".join(allowed) or "(none)"
+            raise ConfigError(f"{subject.format(key=key)}{did_you_mean(key, allowed)}; allowed: {names}")

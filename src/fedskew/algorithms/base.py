@@ -1,19 +1,36 @@
-"""The algorithm contract.
+"""The algorithm contract (v2): what a federated method supplies, and what it may touch.
 
 An algorithm is one small module. It declares typed hyper-parameters (defaults from its paper), what the
 server sends (:meth:`Algorithm.broadcast`), the client's local loss on one batch
 (:meth:`Algorithm.local_loss`), what the client uploads after training (:meth:`Algorithm.finish_local`)
-and how the server aggregates (:meth:`Algorithm.aggregate`). The engine owns the round loop and the
-optimizer; an algorithm never writes either.
+and how the server aggregates (:meth:`Algorithm.aggregate`). A runtime (the embedded engine, Flower) owns
+the round loop, the optimizer and the model instances; an algorithm never writes either.
 
-Server state and client state are plain ``dict``s of tensors (and small Python values), so the engine can
-keep client state compactly on CPU, checkpoint both with ``torch.save`` and ship them over Flower.
+Rules every hook follows (checked for every registered algorithm by the contract tests):
+
+* **Pure hooks.** A hook never mutates what it was handed (payload, server state, client state, scratch
+  mapping, the model's structure): it returns new values. ``aggregate`` returns the new server state,
+  ``start_local`` and ``finish_local`` return the client's new state. A runtime commits a round only once
+  every hook of it succeeded, so an interrupt or an error leaves the previous round's state intact.
+* **Setup from the context.** Everything an algorithm derives from the federation (parameter names,
+  splits, class counts) is computed from the :class:`Context` it is constructed with, never stored on
+  ``self`` by a hook, so a client process and a server process built from the same config agree.
+* **Round information is given.** Hooks receive a :class:`RoundInfo` (round number, client id, seeds);
+  algorithms never count rounds nor send the round number over the network.
+* **Messages.** A :class:`Payload` has ``arrays`` (tensors on the wire: counted in ``bytes_up/down`` and
+  ``params_up/down``), ``config`` (small values the receiver needs: counted, 8 bytes each) and ``metrics``
+  (diagnostics: logged, never counted); they map one-to-one onto Flower's ``ArrayRecord``,
+  ``ConfigRecord`` and ``MetricRecord``.
+
+State (server and client) is a plain ``dict`` of tensors and small Python values, so a runtime can keep
+client state compactly on CPU, checkpoint it with ``torch.save(..., weights_only=True)``-loadable types and
+ship it over Flower. See docs/design.md for the round transaction and the executors.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,14 +41,34 @@ from torch import Tensor, nn
 
 from fedskew.errors import ConfigError
 from fedskew.registry import Registry
+from fedskew.seeding import derive_seed
+from fedskew.settings import ClientSection
 
-#: name -> Algorithm subclass
-ALGORITHMS: Registry = Registry("algorithm")
-
-#: payload tensors whose names start with this prefix are model state (parameters and buffers)
+#: payload arrays whose names start with this prefix are model state (parameters and buffers)
 MODEL_PREFIX = "model."
 
 State = dict[str, Any]
+
+
+class AlgorithmRegistry(Registry):
+    """The algorithm registry: registering a class under a name also sets its ``name``."""
+
+    def register(self, name: str) -> Callable[[Any], Any]:
+        add = super().register(name)
+
+        def deco(cls: Any) -> Any:
+            cls.name = name
+            return add(cls)
+
+        return deco
+
+
+#: name -> Algorithm subclass
+ALGORITHMS: Registry = AlgorithmRegistry("algorithm")
+
+
+class ContractError(RuntimeError):
+    """An algorithm broke the contract (e.g. wrote into its scratch mapping outside ``init_scratch``)."""
 
 
 class HyperParams(BaseModel):
@@ -42,71 +79,59 @@ class HyperParams(BaseModel):
 
 @dataclass
 class Payload:
-    """What crosses the network: named tensors plus scalars (maps onto Flower's ArrayRecord +
-    ConfigRecord/MetricRecord)."""
+    """One message: ``arrays`` (named tensors), ``config`` (small values the receiver needs) and ``metrics``
+    (diagnostics). Maps onto Flower's ArrayRecord, ConfigRecord and MetricRecord."""
 
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    scalars: dict[str, float] = field(default_factory=dict)
+    arrays: dict[str, Tensor] = field(default_factory=dict)
+    config: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        """Bytes on the wire: tensor storage plus 8 bytes per scalar."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + 8 * len(self.scalars)
-
-    def num_floats(self) -> int:
-        """Number of communicated values, integer metadata included."""
-        return sum(t.numel() for t in self.tensors.values()) + len(self.scalars)
+        """Bytes on the wire: tensor storage plus 8 bytes per config value (metrics are not counted)."""
+        return sum(t.numel() * t.element_size() for t in self.arrays.values()) + 8 * len(self.config)
 
     def num_params(self) -> int:
         """Communicated floating-point tensor values: the papers' "# communicated parameters" (class ids and
         sample counts sent as integer tensors are metadata and not counted)."""
-        return sum(t.numel() for t in self.tensors.values() if t.is_floating_point())
+        return sum(t.numel() for t in self.arrays.values() if t.is_floating_point())
 
     def model_state(self) -> dict[str, Tensor]:
         """The model entries, with :data:`MODEL_PREFIX` stripped."""
         n = len(MODEL_PREFIX)
-        return {k[n:]: v for k, v in self.tensors.items() if k.startswith(MODEL_PREFIX)}
+        return {k[n:]: v for k, v in self.arrays.items() if k.startswith(MODEL_PREFIX)}
 
     def is_finite(self) -> bool:
-        """No NaN / Inf anywhere. A finite sum implies finite elements (NaN and Inf propagate), so one
-        reduction per tensor decides the common case; only a non-finite sum (possibly a float overflow of
+        """No NaN / Inf in arrays or config. A finite sum implies finite elements (NaN and Inf propagate), so
+        one reduction per tensor decides the common case; only a non-finite sum (possibly a float overflow of
         finite values) is checked element by element."""
-        floats = [t for t in self.tensors.values() if t.is_floating_point()]
+        floats = [t for t in self.arrays.values() if t.is_floating_point()]
         ok = all(math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all()) for t in floats)
-        return ok and all(math.isfinite(v) for v in self.scalars.values())
+        return ok and all(math.isfinite(v) for v in self.config.values())
 
 
-def model_tensors(
-    state: Mapping[str, Tensor], keys: Callable[[str], bool] | None = None
-) -> dict[str, Tensor]:
+def model_arrays(state: Mapping[str, Tensor], keys: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
     """Prefix (cloned) model state entries for a payload, optionally keeping only the keys ``keys`` accepts.
 
-    Cloned: the engine reuses one model instance across clients, so an upload must not alias it.
+    Cloned: the runtime reuses one model instance across clients, so an upload must not alias it.
     """
     return {MODEL_PREFIX + k: v.detach().clone() for k, v in state.items() if keys is None or keys(k)}
 
 
-@dataclass
-class ClientConfig:
-    """Local-training settings (config section ``client``)."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.01
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    fraction: float = 1.0
-    lr_decay: float = 1.0
+def clone_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Detached copies of a model's state entries (personal weights kept in client state)."""
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @dataclass
 class Context:
-    """What an algorithm knows about the federation when it is constructed."""
+    """What an algorithm knows about the federation when it is constructed: the same on every process of a
+    run, derived from the config alone."""
 
     num_clients: int
     num_classes: int
     in_shape: tuple[int, ...]
     device: torch.device
-    client: ClientConfig
+    client: ClientSection
     client_sizes: Tensor  # [N] training samples per client
     class_counts: Tensor  # [N, C] training samples per client and class
     rounds: int
@@ -115,11 +140,36 @@ class Context:
     #: initial_model(cid) -> the run's deterministic initial model in client cid's architecture (the global
     #: initial model itself when the architectures match). None: fall back to ``build_model``.
     initial_model: Callable[[int | None], nn.Module] | None = None
+    #: arch_key(cid) -> a key equal for clients whose models have the same architecture
+    arch_key: Callable[[int | None], Hashable] = lambda cid: None
+
+    def model_template(self, cid: int | None) -> nn.Module:
+        """A new model of ``cid``'s architecture with the run's initial weights (names, shapes)."""
+        return (self.initial_model or self.build_model)(cid)
 
     def initial_state(self, cid: int | None) -> dict[str, Tensor]:
         """A fresh copy of the initial weights of ``cid``'s model (personal models start here)."""
-        build = self.initial_model or self.build_model
-        return {k: v.detach().clone() for k, v in build(cid).state_dict().items()}
+        return clone_state(self.model_template(cid).state_dict())
+
+    def zero_params(self, cid: int | None) -> dict[str, Tensor]:
+        """Zeros shaped like the trainable parameters of ``cid``'s model (control variates, gradient
+        memories)."""
+        return {n: torch.zeros_like(p.detach()) for n, p in self.model_template(cid).named_parameters()}
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """Where a hook runs: the round (1-based), the client (``None``: the server or global evaluation) and
+    the run's seed, from which per-(round, client) randomness is derived independently of execution order."""
+
+    round: int
+    cid: int | None
+    seed: int
+
+    def generator(self, key: int) -> torch.Generator:
+        """A CPU generator seeded from ``(seed, round, cid, key)``; ``key`` separates a method's streams."""
+        cid = -1 if self.cid is None else self.cid
+        return torch.Generator().manual_seed(derive_seed(self.seed, self.round, cid, key))
 
 
 @dataclass
@@ -156,6 +206,15 @@ class Phase:
 
 
 @dataclass
+class LocalPlan:
+    """What :meth:`Algorithm.start_local` decides: the training phases, and the client state that
+    ``local_loss`` and ``finish_local`` see (a new dict when the hook derived something, e.g. FedEnt's η)."""
+
+    phases: list[Phase]
+    state: State
+
+
+@dataclass
 class LocalResult:
     """What the engine reports back after the optimizer loop."""
 
@@ -165,14 +224,56 @@ class LocalResult:
 
 
 @dataclass
+class LocalOutput:
+    """What :meth:`Algorithm.finish_local` returns: the upload and the client's new state."""
+
+    upload: Payload
+    state: State
+
+
+@dataclass
 class Upload:
     cid: int
     num_samples: int
     payload: Payload
 
 
+class Scratch(Mapping[str, Tensor]):
+    """The read-only mapping ``local_loss`` gets: exactly the tensors :meth:`Algorithm.init_scratch` made.
+
+    Its keys cannot change after ``init_scratch`` (a write raises :class:`ContractError` in every engine
+    mode, since the vectorized engine stacks these tensors over clients before the first batch); the
+    tensors themselves may be accumulated into in place (FedProto's last-epoch prototype sums)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Tensor] | None = None) -> None:
+        object.__setattr__(self, "_items", dict(items or {}))
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise ContractError(
+            f"scratch is read-only outside init_scratch (wrote '{key}'): create every tensor the loss "
+            "needs in init_scratch and update it in place"
+        )
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise ContractError("scratch is read-only outside init_scratch")
+
+
 class Algorithm:
-    """Base class: defaults give FedAvg behaviour, so a method overrides only what it changes."""
+    """Base class: defaults give FedAvg behaviour, so a method overrides only what it changes.
+
+    ``name`` is set by the registry (``@ALGORITHMS.register("name")``).
+    """
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[HyperParams]] = HyperParams
@@ -180,10 +281,11 @@ class Algorithm:
     personalized_eval: ClassVar[bool] = False
     #: there is no global model (``local``): the config must ask for ``eval.protocol=personalized``
     requires_personalized_eval: ClassVar[bool] = False
-    #: ``local_loss`` is a pure function of (model, batch, payload, state, scratch): no per-client modules set
-    #: up in ``start_local``, no data-dependent Python branching, and ``scratch`` holds only the tensors that
-    #: :meth:`init_scratch` made (updated in place, e.g. accumulators), so ``engine.mode=vectorized`` may
-    #: train the round's clients at once (fedskew.engine.vectorized)
+    #: clients may have different architectures (``model.per_client`` changing parameter shapes): nothing
+    #: is averaged across clients' models
+    heterogeneous_models: ClassVar[bool] = False
+    #: ``local_loss`` is a pure function of (model, batch, payload, state, scratch) with no data-dependent
+    #: Python branching, so ``engine.mode=vectorized`` may train the round's clients at once under vmap
     vectorizable: ClassVar[bool] = False
     #: what ``local_loss`` reads besides the model, the batch and ``scratch``: the vectorized engine stacks
     #: only these over clients, so payloads (or states) that differ in shape between clients do not stop it
@@ -194,40 +296,49 @@ class Algorithm:
         self.p = params
         self.ctx = ctx
 
+    # ---------------------------------------------------------------- construction
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model the runtime trains, from a model it has just built (called once per instance, before
+        any hook sees it): a method that trains parameters outside the architecture adds them here."""
+        return model
+
     # ---------------------------------------------------------------- server side
     def init_server(self, model: nn.Module) -> State:
         """Server state from the initial global model (same init for every algorithm and seed)."""
-        return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        return {"weights": clone_state(model.state_dict())}
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
-        """Payload sent to client ``cid`` (``None``: for global evaluation)."""
-        return Payload(tensors=model_tensors(server["weights"]))
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        """Payload sent to client ``info.cid`` (``None``: for global evaluation)."""
+        return Payload(arrays=model_arrays(server["weights"]))
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
-        """FedAvg (McMahan et al. 2017): sample-weighted mean of the uploaded model states."""
-        server["weights"] = weighted_average(
-            [u.payload.model_state() for u in uploads], sample_weights(uploads)
-        )
-        return server
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+        """FedAvg (McMahan et al. 2017): the new server state, the sample-weighted mean of the uploads."""
+        weights = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
+        return {**server, "weights": weights}
 
-    # ---------------------------------------------------------------- client side
-    def init_client(self, cid: int, server: State) -> State:
-        """Per-client state kept by the engine across rounds (on CPU between rounds)."""
+    def round_metrics(self, server: State) -> dict[str, float]:
+        """Method-specific diagnostics appended to ``metrics.jsonl`` each evaluated round."""
         return {}
 
-    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
-        """Load the weights a client trains from / is evaluated with."""
-        load_state(model, payload.model_state())
+    # ---------------------------------------------------------------- client side
+    def init_client(self, cid: int) -> State:
+        """A client's state before its first round (from the context only: a client process has no server
+        state). Kept by the runtime across rounds, on the node that owns the client."""
+        return {}
+
+    def model_weights(self, payload: Payload, state: State) -> Mapping[str, Tensor]:
+        """The weights a client trains from, loaded by the runtime into its model (a subset of keys keeps the
+        model's other entries)."""
+        return payload.model_state()
 
     def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        """Prepare local training; return the phases the engine's optimizer loop runs."""
-        self.load_model(model, payload, state)
-        return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)]
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> LocalPlan:
+        """Plan local training (``model`` already holds :meth:`model_weights`; read it, do not change it)."""
+        return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)], state)
 
     def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
     ) -> dict[str, Tensor]:
         """Tensors that ``local_loss`` finds in ``scratch`` from the first batch on (after ``start_local``):
         per-round constants derived from the payload and accumulators updated in place. The same names and
@@ -235,7 +346,7 @@ class Algorithm:
         return {}
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         """Loss on one batch; the engine back-propagates it and steps the optimizer."""
         return F.cross_entropy(model(batch.x), batch.y)
@@ -246,26 +357,23 @@ class Algorithm:
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        """After training: update ``state`` in place and return the upload."""
-        return Payload(tensors=model_tensors(model.state_dict()))
+        info: RoundInfo,
+    ) -> LocalOutput:
+        """After training: the upload and the client's new state."""
+        return LocalOutput(Payload(arrays=model_arrays(model.state_dict())), state)
 
     # ---------------------------------------------------------------- evaluation
-    def load_eval(self, model: nn.Module, payload: Payload, state: State | None) -> None:
-        """Load the model a client (or the server, ``state=None``) is evaluated with."""
-        self.load_model(model, payload, state)
+    def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
+        """The weights a client (or the server, ``state=None``) is evaluated with."""
+        return self.model_weights(payload, state)  # type: ignore[arg-type]
 
     def predict(
         self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
     ) -> dict[str, Tensor]:
         """Named heads of class scores; the first is the primary metric. ``"logits"`` feeds the loss."""
         return {"logits": model(x)}
-
-    def round_metrics(self, server: State) -> dict[str, float]:
-        """Method-specific diagnostics appended to ``metrics.jsonl`` each evaluated round."""
-        return {}
 
 
 # -------------------------------------------------------------------- shared helpers

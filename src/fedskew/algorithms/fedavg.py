@@ -7,13 +7,15 @@ model, clients run local SGD on cross-entropy, and the server takes the sample-w
 
 from __future__ import annotations
 
-from fedskew.algorithms.base import ALGORITHMS, Algorithm
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+)
 
 
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017): local SGD, sample-weighted model averaging."""
 
-    name = "fedavg"
     vectorizable = True
     loss_reads = frozenset()  # plain cross-entropy: nothing of the payload or state is stacked

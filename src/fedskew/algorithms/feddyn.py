@@ -24,20 +24,23 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
+    model_arrays,
     weighted_average,
 )
-from fedskew.algorithms.fedprox import anchor_weights, proximal_term
+from fedskew.algorithms.fedprox import proximal_term
 
 
 @ALGORITHMS.register("feddyn")
 class FedDyn(Algorithm):
     """FedDyn (Acar et al. 2021): dynamic linear + quadratic regulariser, server state h."""
 
-    name = "feddyn"
     vectorizable = True
 
     class Params(HyperParams):
@@ -55,16 +58,16 @@ class FedDyn(Algorithm):
         server["h"] = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
         return server
 
-    def init_client(self, cid: int, server: State) -> State:
-        return {"grad": {n: torch.zeros_like(h) for n, h in server["h"].items()}}
+    def init_client(self, cid: int) -> State:
+        return {"grad": self.ctx.zero_params(cid)}
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         loss = super().local_loss(model, batch, payload, state, scratch)
         grad = state["grad"]
         linear = [(grad[n] * p).sum() for n, p in model.named_parameters()]
-        prox = proximal_term(model, anchor_weights(payload, scratch))
+        prox = proximal_term(model, payload.model_state())
         return loss - sum(linear[1:], linear[0]) + 0.5 * self.p.alpha * prox
 
     def finish_local(
@@ -73,26 +76,23 @@ class FedDyn(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        prev = anchor_weights(payload, scratch)
+        info: RoundInfo,
+    ) -> LocalOutput:
+        prev = payload.model_state()
         params = dict(model.named_parameters())
-        # New tensors (no in-place update): the engine commits client state only when the round completes.
-        state["grad"] = {
-            n: g - self.p.alpha * (params[n].detach() - prev[n]) for n, g in state["grad"].items()
-        }
-        return super().finish_local(model, payload, state, client, scratch, result)
+        grad = {n: g - self.p.alpha * (params[n].detach() - prev[n]) for n, g in state["grad"].items()}
+        return LocalOutput(Payload(arrays=model_arrays(model.state_dict())), {**state, "grad": grad})
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         prev = server["weights"]
         n = len(uploads)
         mean = weighted_average([u.payload.model_state() for u in uploads], torch.full((n,), 1.0 / n))
         scale = self.p.alpha * n / self.ctx.num_clients  # α (1/m) Σ_k (θ_k − θ) = α (|P|/m) (mean − θ)
         new = dict(mean)  # buffers: the plain mean over participants
+        h_new = {}
         for name, h in server["h"].items():
-            h = h - scale * (mean[name] - prev[name])
-            server["h"][name] = h
-            new[name] = mean[name] - h / self.p.alpha
-        server["weights"] = new
-        return server
+            h_new[name] = h - scale * (mean[name] - prev[name])
+            new[name] = mean[name] - h_new[name] / self.p.alpha
+        return {**server, "weights": new, "h": h_new}

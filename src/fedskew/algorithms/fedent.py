@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -46,9 +46,13 @@ from fedskew.algorithms.base import (
     ClientView,
     Context,
     HyperParams,
+    LocalOutput,
+    LocalPlan,
     LocalResult,
     Payload,
     Phase,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
     load_state,
@@ -360,7 +364,6 @@ class RateParams(HyperParams):
 class FedEnt(Algorithm):
     """FedEnt (Zheng et al. 2024): per-client, per-round learning rate from the entropy mean-field control."""
 
-    name = "fedent"
     # plain cross-entropy at a per-client rate: the vectorized engine steps each client with its own η
     vectorizable = True
     loss_reads = frozenset()
@@ -392,53 +395,52 @@ class FedEnt(Algorithm):
         )
 
     p: Params
+    #: upload values the server needs (counted as communicated); the other probe statistics are metrics
+    upload_config: ClassVar[tuple[str, ...]] = ("eta", "s", "G")
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
         sizes = ctx.client_sizes.to(F64)
-        self.theta = sizes / sizes.sum()  # population θ_i (spec A3)
+        self.theta = sizes / sizes.sum()  # population θ_i = n_i / n, known to every process of the run
 
     # ------------------------------------------------------------------ server
     def init_server(self, model: nn.Module) -> State:
         server = super().init_server(model)
-        server["params"] = [n for n, _ in model.named_parameters()]  # A9: only trainable weights enter w
+        server["params"] = [n for n, _ in model.named_parameters()]  # only trainable weights enter w
         server["eta"] = torch.full((self.ctx.num_clients,), float(self.ctx.client.lr), dtype=F64)  # η(−1)
         server["diag"] = {}
-        server["round"] = 0  # rounds completed: the t of the next round
-        self.init_estimators(server)
-        return server
+        return {**server, **self.init_estimators(server)}
 
-    def init_estimators(self, server: State) -> None:
+    def init_estimators(self, server: State) -> State:
         """φ2(1): no client has reported yet, so every η_j is taken as 0 and Eq. (28) gives ‖w(0)‖²."""
-        server["phi2_next"] = _sq_norm(server["weights"], server["params"])
+        return {"phi2_next": _sq_norm(server["weights"], server["params"])}
 
-    def estimator_payload(self, server: State, payload: Payload) -> None:
-        payload.scalars["phi2_next"] = float(server["phi2_next"])
+    def estimator_config(self, server: State) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The mean-field estimates a client needs to solve Eq. (17): (arrays, config)."""
+        return {}, {"phi2_next": float(server["phi2_next"])}
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
-        payload = super().broadcast(server, cid)
-        if cid is not None:
-            payload.scalars.update(
-                round=float(server["round"]),
-                theta=float(self.theta[cid]),
-                eta_prev=float(server["eta"][cid]),
-            )
-            self.estimator_payload(server, payload)
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        payload = super().broadcast(server, info)
+        if info.cid is not None:
+            arrays, config = self.estimator_config(server)
+            payload.arrays.update(arrays)
+            payload.config.update(eta_prev=float(server["eta"][info.cid]), **config)
         return payload
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         old = server["weights"]
-        server = super().aggregate(server, uploads, round_idx)  # FedAvg over the sampled set (Eq. 3)
+        server = super().aggregate(server, uploads, info)  # FedAvg over the sampled set (Eq. 3)
         names = server["params"]
         new = server["weights"]
 
         def col(key: str) -> Tensor:
-            return torch.tensor([u.payload.scalars[key] for u in uploads], dtype=F64)
+            return torch.tensor([{**u.payload.metrics, **u.payload.config}[key] for u in uploads], dtype=F64)
 
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
         eta, raw, branch = col("eta"), col("eta_raw"), col("branch")
         dev = server["eta"].device  # on the training device after a resume
-        server["eta"][cids.to(dev)] = eta.to(dev)  # clients that were not sampled keep theirs (spec A6)
+        etas = server["eta"].clone()
+        etas[cids.to(dev)] = eta.to(dev)  # clients that were not sampled keep theirs
         states = [u.payload.model_state() for u in uploads]
         sq = torch.tensor([_sq_norm(st, names) for st in states], dtype=F64)
         # client drift ‖w_i,E(t) − w(t+1)‖ (spec §5.6; Prop. 4)
@@ -455,23 +457,23 @@ class FedEnt(Algorithm):
             f"{pre}_entropy": entropy_term(self.theta[cids], sq),
             f"{pre}_drift": float(drift.mean()),
         }
-        diag.update(self.update_estimators(server, uploads, old))
-        server["diag"] = diag
-        server["round"] = round_idx
-        return server
+        estimators, more = self.update_estimators(server, uploads, old)
+        return {**server, **estimators, "eta": etas, "diag": {**diag, **more}}
 
-    def update_estimators(self, server: State, uploads: list[Upload], old: Mapping[str, Tensor]) -> dict:
-        """φ2 for the next round from Eq. (28), with X = ‖w(t+1)‖² and the participants' (s_j, G_j)."""
+    def update_estimators(
+        self, server: State, uploads: list[Upload], old: Mapping[str, Tensor]
+    ) -> tuple[State, dict[str, float]]:
+        """φ2 for the next round from Eq. (28), with X = ‖w(t+1)‖² and the participants' (s_j, G_j):
+        ``(new server entries, diagnostics)``."""
         pre, used = self.name, float(server["phi2_next"])
         X = _sq_norm(server["weights"], server["params"])
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
-        pbar = torch.tensor([u.payload.scalars["pbar"] for u in uploads], dtype=F64)
+        pbar = torch.tensor([u.payload.metrics["pbar"] for u in uploads], dtype=F64)
         diag = {f"{pre}_phi2": used, f"{pre}_pbar_median": float(pbar.median())}
         if self.p.phi2_estimator == "global_norm":
-            server["phi2_next"] = X
-            return diag
-        s = torch.tensor([u.payload.scalars["s"] for u in uploads], dtype=F64)
-        G = torch.tensor([u.payload.scalars["G"] for u in uploads], dtype=F64)
+            return {"phi2_next": X}, diag
+        s = torch.tensor([u.payload.config["s"] for u in uploads], dtype=F64)
+        G = torch.tensor([u.payload.config["G"] for u in uploads], dtype=F64)
         theta = self.theta[cids]
         sol = phi2_fixed_point(
             X,
@@ -487,24 +489,23 @@ class FedEnt(Algorithm):
         )
         if not sol.converged:
             log.warning("%s: φ2 fixed point not converged in %d iterations", self.name, sol.iterations)
-        server["phi2_next"] = sol.phi2
         diag.update(
             {f"{pre}_phi2_iters": float(sol.iterations), f"{pre}_phi2_converged": float(sol.converged)}
         )
-        return diag
+        return {"phi2_next": sol.phi2}, diag
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return dict(server.get("diag", {}))
 
     # ------------------------------------------------------------------ client
     def probe_gradient(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
     ) -> list[Tensor]:
         """``∇F_i(w(t))`` in train mode (spec §4.4 step 3.2) without disturbing local training: the RNG is
         forked (dropout masks of training stay those of FedAvg) and buffers are restored afterwards."""
         params = list(model.parameters())
         n = client.num_samples
-        seed = derive_seed(self.ctx.seed, PROBE_KEY, int(payload.scalars["round"]), client.cid)
+        seed = derive_seed(self.ctx.seed, PROBE_KEY, info.round - 1, client.cid)
         dev = client.x.device
         devices = (
             [dev.index if dev.index is not None else torch.cuda.current_device()]
@@ -517,24 +518,28 @@ class FedEnt(Algorithm):
             if self.p.probe == "batch":
                 gen = torch.Generator().manual_seed(seed)
                 idx = torch.randperm(n, generator=gen)[: max(1, min(self.ctx.client.batch_size, n))].to(dev)
-                loss = self.local_loss(model, Batch(client.x[idx], client.y[idx]), payload, state, {})
+                loss = self.local_loss(model, Batch(client.x[idx], client.y[idx]), payload, state, Scratch())
                 grads = list(torch.autograd.grad(loss, params))
             else:
                 grads = [torch.zeros_like(p) for p in params]
                 for start in range(0, n, PROBE_CHUNK):
                     sl = slice(start, min(start + PROBE_CHUNK, n))
-                    part = self.local_loss(model, Batch(client.x[sl], client.y[sl]), payload, state, {})
+                    part = self.local_loss(
+                        model, Batch(client.x[sl], client.y[sl]), payload, state, Scratch()
+                    )
                     share = part * ((sl.stop - sl.start) / n)
                     for g, d in zip(grads, torch.autograd.grad(share, params), strict=True):
                         g.add_(d)
         load_state(model, payload.model_state())  # undo the probe's BatchNorm statistics
         return [g.detach() for g in grads]
 
-    def raw_eta(self, params: list[Tensor], grads: list[Tensor], payload: Payload) -> tuple[float, int, dict]:
+    def raw_eta(
+        self, params: list[Tensor], grads: list[Tensor], payload: Payload, cid: int
+    ) -> tuple[float, int, dict]:
         """Eq. (17) solved on ``x = w(t)``: returns ``(η_raw, branch, statistics to upload)``."""
         idx = range(len(params))
         s, G, X = _dot(params, grads, idx), _dot(grads, grads, idx), _dot(params, params, idx)
-        theta, phi2 = payload.scalars["theta"], payload.scalars["phi2_next"]
+        theta, phi2 = float(self.theta[cid]), payload.config["phi2_next"]
         bound = (
             None if self.p.grad_bound is None else eq18_bound(theta, X, phi2, self.p.beta, self.p.grad_bound)
         )
@@ -558,16 +563,17 @@ class FedEnt(Algorithm):
         return eta, branch, stats
 
     def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        self.load_model(model, payload, state)
-        grads = self.probe_gradient(model, payload, state, client)
-        eta_raw, branch, stats = self.raw_eta([p.detach() for p in model.parameters()], grads, payload)
-        prev = payload.scalars["eta_prev"]
-        # Eq. (37) after clipping (spec A5.5); "keep" skips the update on a failed closed form
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> LocalPlan:
+        grads = self.probe_gradient(model, payload, state, client, info)
+        params = [p.detach() for p in model.parameters()]
+        eta_raw, branch, stats = self.raw_eta(params, grads, payload, client.cid)
+        prev = payload.config["eta_prev"]
+        # Eq. (37) after clipping; "keep" skips the update on a failed closed form
         eta = prev if branch == KEPT else self.p.gamma * prev + (1.0 - self.p.gamma) * eta_raw
-        state["probe"] = {"eta": eta, "eta_raw": eta_raw, "branch": float(branch), **stats}
-        return [Phase(epochs=self.ctx.client.epochs, lr=eta)]  # one scalar η for all E epochs (A1)
+        probe = {"eta": eta, "eta_raw": eta_raw, "branch": float(branch), **stats}
+        # one scalar η for all E epochs (Algorithm 2)
+        return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=eta)], {**state, "probe": probe})
 
     def finish_local(
         self,
@@ -575,20 +581,21 @@ class FedEnt(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        upload = super().finish_local(model, payload, state, client, scratch, result)
-        upload.scalars.update(state["probe"])  # η for the server's record, (s, G) for Eq. (28), logging
-        return upload
+        info: RoundInfo,
+    ) -> LocalOutput:
+        out = super().finish_local(model, payload, state, client, scratch, result, info)
+        probe = state["probe"]  # η for the server's record, (s, G) for Eq. (28); the rest for the logs
+        out.upload.config.update({k: v for k, v in probe.items() if k in self.upload_config})
+        out.upload.metrics.update({k: v for k, v in probe.items() if k not in self.upload_config})
+        return out
 
 
 # ================================================================================================ FedNorm
 @ALGORITHMS.register("fednorm")
 class FedNorm(FedEnt):
     """FedNorm (Tu et al. 2022, as in FedEnt Eq. 61): the entropy term replaced by ``Σ_j ‖w_i − w‖²``."""
-
-    name = "fednorm"
 
     class Params(RateParams):
         step_estimate: Literal["mean_field", "global_step"] = Field(
@@ -599,24 +606,31 @@ class FedNorm(FedEnt):
         )
 
     p: Params
+    upload_config: ClassVar[tuple[str, ...]] = ("eta",)
 
-    def init_estimators(self, server: State) -> None:
+    def init_estimators(self, server: State) -> State:
         if self.p.step_estimate == "global_step":
-            server["step"] = {n: torch.zeros_like(server["weights"][n]) for n in server["params"]}
-
-    def estimator_payload(self, server: State, payload: Payload) -> None:
-        if self.p.step_estimate == "global_step":
-            payload.tensors.update({STEP_PREFIX + n: v for n, v in server["step"].items()})
-
-    def update_estimators(self, server: State, uploads: list[Upload], old: Mapping[str, Tensor]) -> dict:
-        if self.p.step_estimate == "global_step":
-            server["step"] = {n: old[n] - server["weights"][n] for n in server["params"]}
+            return {"step": {n: torch.zeros_like(server["weights"][n]) for n in server["params"]}}
         return {}
 
-    def raw_eta(self, params: list[Tensor], grads: list[Tensor], payload: Payload) -> tuple[float, int, dict]:
+    def estimator_config(self, server: State) -> tuple[dict[str, Tensor], dict[str, float]]:
+        if self.p.step_estimate == "global_step":
+            return {STEP_PREFIX + n: v for n, v in server["step"].items()}, {}
+        return {}, {}
+
+    def update_estimators(
+        self, server: State, uploads: list[Upload], old: Mapping[str, Tensor]
+    ) -> tuple[State, dict[str, float]]:
+        if self.p.step_estimate == "global_step":
+            return {"step": {n: old[n] - server["weights"][n] for n in server["params"]}}, {}
+        return {}, {}
+
+    def raw_eta(
+        self, params: list[Tensor], grads: list[Tensor], payload: Payload, cid: int
+    ) -> tuple[float, int, dict]:
         idx = range(len(grads))
         G = _dot(grads, grads, idx)
-        steps = [v for k, v in payload.tensors.items() if k.startswith(STEP_PREFIX)]
+        steps = [v for k, v in payload.arrays.items() if k.startswith(STEP_PREFIX)]
         a = _dot(steps, grads, idx) if steps else 0.0  # mean_field: the fixed point has φ1(t+1) = φ1(t)
         eta = float(eta_fednorm(a, G, self.p.beta, self.ctx.num_clients, self.p.eta_max))
         return eta, CLOSED_FORM, {"a": a, "G": G, "clip": float(eta >= self.p.eta_max)}
@@ -627,7 +641,6 @@ class FedNorm(FedEnt):
 class FedCos(Algorithm):
     """FedCos (after Wu & Wang 2021, as in FedEnt Eq. 59): aggregation weights = cos(w_i, w), static lr."""
 
-    name = "fedcos"
     vectorizable = True  # plain cross-entropy; only the aggregation differs
     loss_reads = frozenset()
 
@@ -651,7 +664,7 @@ class FedCos(Algorithm):
         server["diag"] = {}
         return server
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         names, w = server["params"], server["weights"]
         states = [u.payload.model_state() for u in uploads]
         origin: Mapping[str, Tensor] | None = None  # models: cos(w_i, w); updates: cos(w_i − w, w̄ − w)
@@ -666,13 +679,12 @@ class FedCos(Algorithm):
             weights = weights * sample_weights(uploads)
         # all cosines ≤ 0 (or a zero update): no direction information, fall back to FedAvg's weights
         weights = weights / weights.sum() if float(weights.sum()) > 0.0 else sample_weights(uploads)
-        server["weights"] = weighted_average(states, weights)
-        server["diag"] = {
+        diag = {
             "fedcos_cos_min": float(cos.min()),
             "fedcos_cos_mean": float(cos.mean()),
             "fedcos_weight_max": float(weights.max()),
         }
-        return server
+        return {**server, "weights": weighted_average(states, weights), "diag": diag}
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return dict(server.get("diag", {}))

@@ -45,6 +45,7 @@ taken from the authors' reference code (function named) and matches the paper's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -57,15 +58,19 @@ from fedskew.algorithms.base import (
     Algorithm,
     Batch,
     ClientView,
+    Context,
     HyperParams,
+    LocalOutput,
+    LocalPlan,
     LocalResult,
     Payload,
     Phase,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
     embedding_dim,
-    load_state,
-    model_tensors,
+    model_arrays,
     sample_weights,
     weighted_average,
 )
@@ -157,8 +162,6 @@ class FedNH(Algorithm):
     """FedNH (Dai et al. 2023): fixed, uniformly initialised class prototypes as a cosine classifier, updated
     on the server by smoothing towards the clients' class means of normalised embeddings."""
 
-    name = "fednh"
-
     class Params(HyperParams):
         rho: float = Field(
             0.9,
@@ -195,13 +198,22 @@ class FedNH(Algorithm):
         )
 
     p: Params
-    #: head entries of the model (never trained, sent or aggregated); set from the model in init_server
-    _head_prefix: str = FedModel.head_prefix
+
+    def __init__(self, params: HyperParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        #: head entries of the model (never trained, sent or aggregated), from the global architecture
+        self.head_prefix = str(getattr(ctx.model_template(None), "head_prefix", FedModel.head_prefix))
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Every model the runtime builds gets the trainable scale s of the cosine logits."""
+        if not isinstance(getattr(model, SCALE, None), nn.Parameter):
+            device = next(model.parameters()).device
+            model.register_parameter(SCALE, nn.Parameter(torch.ones(1, device=device)))
+        return model
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
         dim = embedding_dim(model, self.name)
-        self._head_prefix = str(getattr(model, "head_prefix", "classifier."))
         gen = torch.Generator().manual_seed(derive_seed(self.ctx.seed, INIT_KEY))
         protos = uniform_prototypes(self.ctx.num_classes, dim, gen, self.p.init).to(self.ctx.device)
         return {
@@ -212,41 +224,47 @@ class FedNH(Algorithm):
             "updated": 0,
         }
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """The body (the model state without its head), the global prototypes and the scale s."""
         body = {k: v for k, v in server["weights"].items() if not self._is_head(k)}
-        tensors = model_tensors(body)
+        tensors = model_arrays(body)
         tensors["protos"] = server["protos"].clone()
         tensors["scale"] = server["scale"].clone()
-        return Payload(tensors=tensors)
+        return Payload(arrays=tensors)
 
     def _is_head(self, name: str) -> bool:
         """Whether a state entry belongs to the model's (unused) head, by the model's ``head_prefix``."""
-        return name.startswith(self._head_prefix)
+        return name.startswith(self.head_prefix)
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """FedAvg of the body (and s); semantics infusion of the prototypes (see :func:`infuse_semantics`)."""
         if self.p.body_weights == "samples":
             w = sample_weights(uploads)
         else:
             w = torch.full((len(uploads),), 1.0 / len(uploads), dtype=torch.float64)
         body = weighted_average([u.payload.model_state() for u in uploads], w)
-        server["weights"].update({k: v.to(server["weights"][k].device) for k, v in body.items()})
+        weights = {**server["weights"], **{k: v.to(server["weights"][k].device) for k, v in body.items()}}
+        scale = server["scale"]
         if self.p.learn_scale:
-            scales = torch.stack([u.payload.tensors["scale"].to(server["scale"]) for u in uploads])
-            server["scale"] = (w.to(scales)[:, None] * scales).sum(0)
+            scales = torch.stack([u.payload.arrays["scale"].to(server["scale"]) for u in uploads])
+            scale = (w.to(scales)[:, None] * scales).sum(0)
         dev = server["protos"].device
-        classes = torch.cat([u.payload.tensors["classes"] for u in uploads]).to(dev)
-        means = torch.cat([u.payload.tensors["protos"] for u in uploads]).to(dev)
-        counts = torch.cat([u.payload.tensors["counts"] for u in uploads]).to(dev)
+        classes = torch.cat([u.payload.arrays["classes"] for u in uploads]).to(dev)
+        means = torch.cat([u.payload.arrays["protos"] for u in uploads]).to(dev)
+        counts = torch.cat([u.payload.arrays["counts"] for u in uploads]).to(dev)
         old = server["protos"]
         new, updated = infuse_semantics(old, classes, means, counts, self.p.rho, self.p.normalize_means)
         # diagnostic: mean angle (degrees) the updated prototypes moved this round
         cos = (old[updated] * new[updated]).sum(1).clamp(-1.0, 1.0)
-        server["shift"] = float(torch.rad2deg(torch.acos(cos)).mean()) if bool(updated.any()) else 0.0
-        server["updated"] = int(updated.sum())
-        server["protos"] = new
-        return server
+        shift = float(torch.rad2deg(torch.acos(cos)).mean()) if bool(updated.any()) else 0.0
+        return {
+            **server,
+            "weights": weights,
+            "scale": scale,
+            "protos": new,
+            "shift": shift,
+            "updated": int(updated.sum()),
+        }
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return {
@@ -257,41 +275,31 @@ class FedNH(Algorithm):
         }
 
     # ---------------------------------------------------------------- client
-    @staticmethod
-    def _scale_param(model: nn.Module) -> nn.Parameter:
-        """The trainable scale attached to ``model`` (registered on first use)."""
-        p = getattr(model, SCALE, None)
-        if not isinstance(p, nn.Parameter):
-            device = next(model.parameters()).device
-            p = nn.Parameter(torch.ones(1, device=device))
-            model.register_parameter(SCALE, p)
-        return p
-
-    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
-        load_state(model, payload.model_state())
-        with torch.no_grad():
-            self._scale_param(model).copy_(payload.tensors["scale"].reshape(1))
+    def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
+        """The received body and scale s (the model's own head is never loaded: it is unused)."""
+        return {**payload.model_state(), SCALE: payload.arrays["scale"].reshape(1)}
 
     def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        self.load_model(model, payload, state)
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> LocalPlan:
         learn = self.p.learn_scale
 
         def trainable(name: str) -> bool:
             # the prototypes are not model parameters; the model's own head is frozen and unused
             return learn if name == SCALE else not self._is_head(name)
 
-        return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr, trainable=trainable)]
+        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=trainable)], state)
+
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> dict[str, Tensor]:
+        return {"protos": payload.arrays["protos"].to(client.x.device)}
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         z = model.features(batch.x)
-        if "protos" not in scratch:
-            scratch["protos"] = payload.tensors["protos"].to(z.device)
-        scale = self._scale_param(model)
-        return F.cross_entropy(cosine_logits(z, scratch["protos"], scale), batch.y)
+        return F.cross_entropy(cosine_logits(z, scratch["protos"], getattr(model, SCALE)), batch.y)
 
     def finish_local(
         self,
@@ -299,9 +307,10 @@ class FedNH(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         """Upload: body, s, and per held class the mean normalised embedding (eval-mode pass after
         training, as the code) with its count."""
         was_training = model.training
@@ -312,14 +321,14 @@ class FedNH(Algorithm):
         if self.p.normalize_means:
             table = F.normalize(table, dim=1)
         classes, means, counts = pack(table, counts)
-        tensors = model_tensors(model.state_dict(), lambda k: k != SCALE and not self._is_head(k))
+        tensors = model_arrays(model.state_dict(), lambda k: k != SCALE and not self._is_head(k))
         tensors.update(
-            scale=self._scale_param(model).detach().clone(),
+            scale=getattr(model, SCALE).detach().clone(),
             classes=classes,
             protos=means.detach().clone(),
             counts=counts,
         )
-        return Payload(tensors=tensors)
+        return LocalOutput(Payload(arrays=tensors), state)
 
     # ---------------------------------------------------------------- evaluation
     def predict(
@@ -327,5 +336,5 @@ class FedNH(Algorithm):
     ) -> dict[str, Tensor]:
         """``logits = s · cos(f(x), μ_c)``: its argmax is the nearest global prototype in angle."""
         z = model.features(x)
-        scale = payload.tensors["scale"].to(z.device)
-        return {"logits": cosine_logits(z, payload.tensors["protos"].to(z.device), scale)}
+        scale = payload.arrays["scale"].to(z.device)
+        return {"logits": cosine_logits(z, payload.arrays["protos"].to(z.device), scale)}

@@ -28,6 +28,7 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     HyperParams,
+    RoundInfo,
     State,
     Upload,
     sample_weights,
@@ -61,19 +62,19 @@ class ServerOptimizer(Algorithm):
             server[slot] = {n: self.init_slot(slot, p) for n, p in params.items()}
         return server
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         avg = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
         weights = server["weights"]
         new = dict(avg)  # buffers: the plain weighted average
+        new_slots: dict[str, dict[str, Tensor]] = {s: {} for s in self.slots}
         for name in server[self.slots[0]]:  # the parameter names
             slots, update = self.server_step(
                 {s: server[s][name] for s in self.slots}, avg[name] - weights[name]
             )
             for s, value in slots.items():
-                server[s][name] = value
+                new_slots[s][name] = value
             new[name] = weights[name] + update
-        server["weights"] = new
-        return server
+        return {**server, **new_slots, "weights": new}
 
 
 # ------------------------------------------------------------------------------------------------ FedAvgM
@@ -81,7 +82,6 @@ class ServerOptimizer(Algorithm):
 class FedAvgM(ServerOptimizer):
     """FedAvgM (Hsu et al. 2019): server momentum on the FedAvg pseudo-gradient."""
 
-    name = "fedavgm"
     slots = ("m",)
 
     class Params(HyperParams):
@@ -157,7 +157,6 @@ class AdaptiveServerOptimizer(ServerOptimizer):
 class FedAdagrad(AdaptiveServerOptimizer):
     """FedAdagrad (Reddi et al. 2021): server Adagrad on the FedAvg pseudo-gradient."""
 
-    name = "fedadagrad"
     Params = AdaptiveParams
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
@@ -168,7 +167,6 @@ class FedAdagrad(AdaptiveServerOptimizer):
 class FedAdam(AdaptiveServerOptimizer):
     """FedAdam (Reddi et al. 2021): server Adam (no bias correction) on the FedAvg pseudo-gradient."""
 
-    name = "fedadam"
     Params = AdamParams
     p: AdamParams
 
@@ -180,7 +178,6 @@ class FedAdam(AdaptiveServerOptimizer):
 class FedYogi(AdaptiveServerOptimizer):
     """FedYogi (Reddi et al. 2021): server Yogi on the FedAvg pseudo-gradient."""
 
-    name = "fedyogi"
     Params = AdamParams
     p: AdamParams
 

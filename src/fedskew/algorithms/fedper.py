@@ -14,21 +14,26 @@ cross-entropy; it is evaluated with the received base and its own personal layer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 from pydantic import Field
-from torch import nn
+from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     ClientView,
+    Context,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
-    load_state,
-    model_tensors,
+    clone_state,
+    model_arrays,
 )
 from fedskew.errors import ConfigError
 
@@ -53,7 +58,6 @@ def personal_names(model: nn.Module, split: str) -> set[str]:
 class FedPer(Algorithm):
     """FedPer (Arivazhagan et al. 2019): FedAvg on the base layers, personal layers kept by each client."""
 
-    name = "fedper"
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
 
@@ -64,34 +68,36 @@ class FedPer(Algorithm):
         )
 
     p: Params
-    _personal: frozenset[str] = frozenset()
 
-    def is_personal(self, name: str) -> bool:
-        return name in self._personal
-
-    def is_shared(self, name: str) -> bool:
-        return name not in self._personal
-
-    def init_server(self, model: nn.Module) -> State:
-        self._personal = frozenset(personal_names(model, self.p.personal))
-        if not self._personal or len(self._personal) == len(model.state_dict()):
+    def __init__(self, params: HyperParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        # The split, from the global architecture (the same on every process of the run).
+        model = ctx.model_template(None)
+        self.personal = frozenset(personal_names(model, self.p.personal))
+        if not self.personal or len(self.personal) == len(model.state_dict()):
             raise ConfigError(
                 f"{self.name}: personal={self.p.personal} leaves no shared or no personal layer in this model"
             )
-        state = model.state_dict()
-        return {"weights": {k: v.detach().clone() for k, v in state.items() if self.is_shared(k)}}
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
-        return Payload(tensors=model_tensors(server["weights"]))  # base layers only
+    def is_personal(self, name: str) -> bool:
+        return name in self.personal
 
-    def init_client(self, cid: int, server: State) -> State:
+    def is_shared(self, name: str) -> bool:
+        return name not in self.personal
+
+    def init_server(self, model: nn.Module) -> State:
+        return {"weights": {k: v for k, v in clone_state(model.state_dict()).items() if self.is_shared(k)}}
+
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        return Payload(arrays=model_arrays(server["weights"]))  # base layers only
+
+    def init_client(self, cid: int) -> State:
         return {"personal": {k: v for k, v in self.ctx.initial_state(cid).items() if self.is_personal(k)}}
 
-    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
+    def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
             raise ConfigError(f"{self.name} has no global head to evaluate; set eval.protocol=personalized")
-        load_state(model, payload.model_state())
-        load_state(model, state["personal"])
+        return {**payload.model_state(), **state["personal"]}
 
     def finish_local(
         self,
@@ -99,9 +105,10 @@ class FedPer(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         sd = model.state_dict()
-        state["personal"] = {k: v.detach().clone() for k, v in sd.items() if self.is_personal(k)}
-        return Payload(tensors=model_tensors(sd, self.is_shared))
+        personal = {k: v.detach().clone() for k, v in sd.items() if self.is_personal(k)}
+        return LocalOutput(Payload(arrays=model_arrays(sd, self.is_shared)), {**state, "personal": personal})

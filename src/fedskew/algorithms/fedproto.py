@@ -29,6 +29,7 @@ trailing batch of one), exclusion by +∞ distance rather than the sentinel 100 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
@@ -42,12 +43,15 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
+    clone_state,
     embedding_dim,
-    load_state,
 )
 from fedskew.errors import ConfigError
 from fedskew.models.base import embed_in_chunks
@@ -78,9 +82,9 @@ def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, fo
 class FedProto(Algorithm):
     """FedProto (Tan et al. 2022): personal models regularised towards global class prototypes."""
 
-    name = "fedproto"
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
+    heterogeneous_models: ClassVar[bool] = True  # only prototypes are shared (§3.1)
     vectorizable: ClassVar[bool] = True  # dense prototype table and last-epoch sums in init_scratch
     loss_reads: ClassVar[frozenset[str]] = frozenset()  # the loss reads only its init_scratch tensors
 
@@ -126,51 +130,50 @@ class FedProto(Algorithm):
         own = self.ctx.class_counts[cid].to(present.device) > 0
         return torch.nonzero(own & present).flatten()
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """The global prototypes of the client's classes that exist (empty in round 1), with their ids."""
-        classes = self._classes_for(server, cid)
-        return Payload(tensors={"classes": classes, "protos": server["protos"][classes].clone()})
+        classes = self._classes_for(server, info.cid)
+        return Payload(arrays={"classes": classes, "protos": server["protos"][classes].clone()})
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """Eq. (6): per-class average over the clients that uploaded the class (see ``aggregation``)."""
-        classes = torch.cat([u.payload.tensors["classes"] for u in uploads]).to(server["protos"].device)
-        local = torch.cat([u.payload.tensors["protos"] for u in uploads]).to(server["protos"].device)
-        counts = torch.cat([u.payload.tensors["counts"] for u in uploads]).to(server["protos"].device)
+        classes = torch.cat([u.payload.arrays["classes"] for u in uploads]).to(server["protos"].device)
+        local = torch.cat([u.payload.arrays["protos"] for u in uploads]).to(server["protos"].device)
+        counts = torch.cat([u.payload.arrays["counts"] for u in uploads]).to(server["protos"].device)
         table, present = aggregate_prototypes(
             classes, local, counts, self.ctx.num_classes, self.p.aggregation
         )
-        server["protos"] = torch.where(present[:, None], table, server["protos"])
-        server["present"] = server["present"] | present
+        protos = torch.where(present[:, None], table, server["protos"])
         # diagnostic: mean squared distance (per dimension) of the uploaded local prototypes to the new global
         # ones — the prototype-level L_R of Fig. 4, which falls as λ grows
-        server["distance"] = float((local - server["protos"][classes]).pow(2).mean())
-        return server
+        distance = float((local - protos[classes]).pow(2).mean())
+        return {**server, "protos": protos, "present": server["present"] | present, "distance": distance}
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return {"proto_distance": server["distance"], "proto_classes": int(server["present"].sum())}
 
     # ---------------------------------------------------------------- client
-    def init_client(self, cid: int, server: State) -> State:
+    def init_client(self, cid: int) -> State:
         # A private model in the client's own architecture, from the run's initial weights.
         return {"weights": self.ctx.initial_state(cid)}
 
-    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
+    def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
             raise ConfigError("fedproto has no global model to evaluate; set eval.protocol=personalized")
-        load_state(model, state["weights"])
+        return state["weights"]
 
     def _targets(self, payload: Payload, dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Dense ``[C, D]`` table and ``[C]`` mask of the received prototypes."""
         c = self.ctx.num_classes
-        classes = payload.tensors["classes"].to(device)
+        classes = payload.arrays["classes"].to(device)
         table = torch.zeros(c, dim, device=device)
-        table[classes] = payload.tensors["protos"].to(device)
+        table[classes] = payload.arrays["protos"].to(device)
         has = torch.zeros(c, dtype=torch.bool, device=device)
         has[classes] = True
         return table, has
 
     def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
     ) -> dict[str, Tensor]:
         """The dense table of the received prototypes and, for ``last_epoch``, the Eq. (3) sums."""
         dim, device = embedding_dim(model, self.name), client.x.device
@@ -182,7 +185,7 @@ class FedProto(Algorithm):
         return scratch
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         h = model.features(batch.x)
         loss = F.cross_entropy(model.head(h), batch.y)  # = NLL of the code's log_softmax outputs
@@ -206,18 +209,19 @@ class FedProto(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         if "acc_sums" in scratch and result.steps > 0:
             table, seen = ClassAccumulator(scratch["acc_sums"], scratch["acc_counts"]).means()
         else:  # proto_source=recompute, or no batch was run (epochs=0)
             table, seen = self._recompute(model, client)
         classes, protos, _ = pack(table, seen)
-        state["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # only prototypes leave the client (with class ids and |D_ij|: integer metadata for Eq. 6's weights)
         counts = client.class_counts.to(classes.device)[classes].long()
-        return Payload(tensors={"classes": classes, "protos": protos.detach().clone(), "counts": counts})
+        upload = Payload(arrays={"classes": classes, "protos": protos.detach().clone(), "counts": counts})
+        return LocalOutput(upload, {**state, "weights": clone_state(model.state_dict())})
 
     # ---------------------------------------------------------------- evaluation
     def predict(

@@ -12,7 +12,15 @@ from collections.abc import Mapping
 from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.algorithms.base import ALGORITHMS, Algorithm, Batch, HyperParams, Payload, State
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    Batch,
+    HyperParams,
+    Payload,
+    Scratch,
+    State,
+)
 
 
 def proximal_term(model: nn.Module, anchor: Mapping[str, Tensor]) -> Tensor:
@@ -21,18 +29,10 @@ def proximal_term(model: nn.Module, anchor: Mapping[str, Tensor]) -> Tensor:
     return sum(terms[1:], terms[0])
 
 
-def anchor_weights(payload: Payload, scratch: dict) -> dict[str, Tensor]:
-    """The received global model's state, computed once per client and kept in ``scratch``."""
-    if "anchor" not in scratch:
-        scratch["anchor"] = payload.model_state()
-    return scratch["anchor"]
-
-
 @ALGORITHMS.register("fedprox")
 class FedProx(Algorithm):
     """FedProx (Li et al. 2020): FedAvg plus a proximal term μ/2‖w − w_global‖² in the local loss."""
 
-    name = "fedprox"
     vectorizable = True
 
     class Params(HyperParams):
@@ -46,9 +46,10 @@ class FedProx(Algorithm):
     p: Params
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         loss = super().local_loss(model, batch, payload, state, scratch)
         if self.p.mu == 0.0:
             return loss
-        return loss + 0.5 * self.p.mu * proximal_term(model, anchor_weights(payload, scratch))
+        # the anchor w^t is the received model: a dict of views, no copy (vmap stacks the payload)
+        return loss + 0.5 * self.p.mu * proximal_term(model, payload.model_state())

@@ -57,11 +57,14 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
-    model_tensors,
+    model_arrays,
     sample_weights,
 )
 from fedskew.models.zoo import ResNet
@@ -201,8 +204,6 @@ def collect_features(
 class FedRCL(Algorithm):
     """FedRCL (Seo et al. 2024): CE + β · multi-level relaxed supervised contrastive loss; FedAvg."""
 
-    name = "fedrcl"
-
     class Params(HyperParams):
         beta: float = Field(
             1.0,
@@ -240,22 +241,29 @@ class FedRCL(Algorithm):
 
     p: Params
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """FedAvg on the weights; sample-weighted mean of the clients' loss diagnostics."""
-        server = super().aggregate(server, uploads, round_idx)
+        server = super().aggregate(server, uploads, info)
         w = sample_weights(uploads)
-        server["diag"] = {
-            k: float(sum(wk * u.payload.scalars[k] for wk, u in zip(w.tolist(), uploads, strict=True)))
+        diag = {
+            k: float(sum(wk * u.payload.metrics[k] for wk, u in zip(w.tolist(), uploads, strict=True)))
             for k in DIAG_KEYS
-            if all(k in u.payload.scalars for u in uploads)
+            if all(k in u.payload.metrics for u in uploads)
         }
-        return server
+        return {**server, "diag": diag}
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return dict(server.get("diag", {}))
 
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> dict[str, Tensor]:
+        """Sums of the last epoch's diagnostics: SCL, penalty, share of penalised pairs, mean positive
+        similarity, and the number of batches."""
+        return {"diag": torch.zeros(5, dtype=torch.float64, device=client.x.device)}
+
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         p = self.p
         if p.beta == 0.0:
@@ -285,7 +293,7 @@ class FedRCL(Algorithm):
                         torch.ones_like(scl_sum),
                     ]
                 ).double()
-            scratch["diag"] = scratch["diag"] + row if "diag" in scratch else row
+            scratch["diag"].add_(row)
         return loss + p.beta * total
 
     def finish_local(
@@ -294,15 +302,13 @@ class FedRCL(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        upload = Payload(tensors=model_tensors(model.state_dict()))
-        if "diag" in scratch:
-            acc = scratch["diag"]
-            acc = (acc[:4] / acc[4]).tolist()
-            upload.scalars.update(dict(zip(DIAG_KEYS, acc, strict=True)))
-        return upload
+        info: RoundInfo,
+    ) -> LocalOutput:
+        acc = scratch["diag"]
+        metrics = dict(zip(DIAG_KEYS, (acc[:4] / acc[4]).tolist(), strict=True)) if acc[4] > 0 else {}
+        return LocalOutput(Payload(arrays=model_arrays(model.state_dict()), metrics=metrics), state)
 
 
 __all__ = [

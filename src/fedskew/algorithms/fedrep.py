@@ -13,15 +13,22 @@ from __future__ import annotations
 from pydantic import Field
 from torch import nn
 
-from fedskew.algorithms.base import ALGORITHMS, ClientView, HyperParams, Payload, Phase, State
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    ClientView,
+    HyperParams,
+    LocalPlan,
+    Payload,
+    Phase,
+    RoundInfo,
+    State,
+)
 from fedskew.algorithms.fedper import FedPer
 
 
 @ALGORITHMS.register("fedrep")
 class FedRep(FedPer):
     """FedRep (Collins et al. 2021): personal head trained first on a frozen shared body, then the body."""
-
-    name = "fedrep"
 
     class Params(FedPer.Params):
         head_epochs: int = Field(10, ge=0, description="local epochs on the head, body frozen (§5: 10)")
@@ -32,15 +39,15 @@ class FedRep(FedPer):
     p: Params
 
     def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        self.load_model(model, payload, state)
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> LocalPlan:
         body = self.ctx.client.epochs if self.p.body_epochs is None else self.p.body_epochs
         lr = self.ctx.client.lr
-        return [
+        phases = [
             Phase(epochs=self.p.head_epochs, lr=lr, trainable=self.is_personal),
             Phase(epochs=body, lr=lr, trainable=self.is_shared),
         ]
+        return LocalPlan(phases, state)
 
 
 __all__ = ["FedRep", "HyperParams"]

@@ -51,12 +51,14 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
-    Phase,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
-    model_tensors,
+    model_arrays,
     sample_weights,
     weighted_average,
 )
@@ -184,8 +186,6 @@ def lcl_loss(
 class FedSKC(Algorithm):
     """FedSKC: logit prototypes, local contrastive learning, discrepancy aggregation, period review."""
 
-    name = "fedskc"
-
     class Params(HyperParams):
         m: int = Field(1, ge=0, description="M, nearest clients merged in Eq. (1) (source: §IV-A, M=1)")
         tau: float = Field(0.08, gt=0.0, description="LCL temperature τ, Eq. (3) (source: §IV-A, τ=0.08)")
@@ -230,27 +230,25 @@ class FedSKC(Algorithm):
         state.update(
             protos=torch.zeros(c, c, device=self.ctx.device),  # c̃_{r−1}, broadcast to the next round
             has=torch.zeros(c, dtype=torch.bool, device=self.ctx.device),
-            next_round=1,
             diag={},
         )
         return state
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
-        payload = super().broadcast(server, cid)
-        if cid is not None:
-            payload.tensors.update(protos=server["protos"].clone(), has=server["has"].clone())
-            payload.scalars["round"] = float(server["next_round"])
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        payload = super().broadcast(server, info)
+        if info.cid is not None:
+            payload.arrays.update(protos=server["protos"].clone(), has=server["has"].clone())
         return payload
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """Eq. (1) global prototypes, Eq. (4) aggregation weights, Eq. (5) period review (Alg. 1 l. 6–24)."""
         dev = server["protos"].device
         k, c = len(uploads), self.ctx.num_classes
         local = torch.zeros(k, c, c, device=dev)
         present = torch.zeros(k, c, dtype=torch.bool, device=dev)
         for i, u in enumerate(uploads):
-            cls = u.payload.tensors["classes"].to(dev)
-            local[i, cls] = u.payload.tensors["protos"].to(dev)
+            cls = u.payload.arrays["classes"].to(dev)
+            local[i, cls] = u.payload.arrays["protos"].to(dev)
             present[i, cls] = True
         glob, has = merge_nearest(local, present, self.p.m)
         glob = torch.where(has[:, None], glob, server["protos"])  # spec S4c: carry absent classes over
@@ -273,10 +271,9 @@ class FedSKC(Algorithm):
 
         uniform = torch.full_like(weights, 1.0 / k)
         stats = {
-            key: sum(u.payload.scalars.get(key, 0.0) for u in uploads) / k for key in ("ce", "lcl", "lcl_u")
+            key: sum(u.payload.metrics.get(key, 0.0) for u in uploads) / k for key in ("ce", "lcl", "lcl_u")
         }
-        server.update(weights=new, protos=glob, has=has, next_round=round_idx + 1)
-        server["diag"] = {
+        diag = {
             "gda_weights": [round(float(w), 6) for w in weights],
             "gda_weight_min": float(weights.min()),
             "gda_weight_max": float(weights.max()),
@@ -289,64 +286,71 @@ class FedSKC(Algorithm):
             "lcl_loss": stats["lcl"],
             "lcl_u": stats["lcl_u"],
         }
-        return server
+        return {**server, "weights": new, "protos": glob, "has": has, "diag": diag}
 
     def round_metrics(self, server: State) -> dict[str, float]:
         return dict(server["diag"])
 
     # ---------------------------------------------------------------- client
-    def _lcl_weight(self, payload: Payload) -> float:
+    def lcl_weight(self, round_idx: int) -> float:
+        """The weight of L_LCL in round ``round_idx`` (Alg. 1: 1; the public code ramps it up)."""
         if not self.p.lcl:
             return 0.0
-        r = payload.scalars.get("round", 1.0)
-        ramp = min(1.0, r / self.p.lcl_warmup) if self.p.lcl_warmup > 0 else 1.0
+        ramp = min(1.0, round_idx / self.p.lcl_warmup) if self.p.lcl_warmup > 0 else 1.0
         return self.p.lcl_weight * ramp
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        phases = super().start_local(model, payload, state, client)
-        # Per-round U_j (spec L1 option i): mean distance of the received model's logits to each c̃^j.
-        if self.p.u_mode == "round" and bool(payload.tensors["has"].any()):
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> dict[str, Tensor]:
+        """The round's LCL weight, the per-round U_j when asked for, and the last epoch's loss sums."""
+        dev = client.x.device
+        scratch = {
+            "lcl_weight": torch.tensor(self.lcl_weight(info.round), dtype=torch.float64),
+            "ce": torch.zeros((), device=dev),
+            "lcl": torch.zeros((), device=dev),
+            "u": torch.zeros((), device=dev),
+            "n": torch.zeros((), dtype=torch.long),
+        }
+        # Per-round U_j (Eq. 2 read per round): mean distance of the received model's logits to each c̃^j.
+        if self.p.u_mode == "round" and bool(payload.arrays["has"].any()):
             model.eval()
             logits = embed_in_chunks(model, client.x)
             model.train()
-            glob = payload.tensors["protos"].to(logits.device)
-            payload.tensors["u_round"] = torch.cdist(self._anchor(logits), glob).mean(0) + _EPS
-        return phases
+            glob = payload.arrays["protos"].to(logits.device)
+            scratch["u_round"] = torch.cdist(self._anchor(logits), glob).mean(0) + _EPS
+        return scratch
 
     def _anchor(self, logits: Tensor) -> Tensor:
         return F.silu(logits) if self.p.silu_anchor else logits
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         logits = model(batch.x)
         ce = F.cross_entropy(logits, batch.y)
-        weight = self._lcl_weight(payload)
-        has = payload.tensors["has"]
+        weight = float(scratch["lcl_weight"])
+        has = payload.arrays["has"]
         loss = ce
         if batch.last_epoch:
-            scratch["ce"] = scratch.get("ce", 0.0) + ce.detach() * batch.y.numel()
-            scratch["n"] = scratch.get("n", 0) + batch.y.numel()
+            scratch["ce"].add_(ce.detach() * batch.y.numel())
+            scratch["n"].add_(batch.y.numel())
         if weight > 0 and bool(has.any()):
-            glob = payload.tensors["protos"]
+            glob = payload.arrays["protos"]
             anchor = self._anchor(logits)
-            u = self._normaliser(anchor, glob, has, payload)
+            u = self._normaliser(anchor, glob, has, scratch)
             lcl = lcl_loss(anchor, batch.y, glob, has, self.p.tau, u)
             loss = ce + weight * lcl
             if batch.last_epoch:
-                scratch["lcl"] = scratch.get("lcl", 0.0) + lcl.detach() * batch.y.numel()
-                if u is not None:
-                    scratch["u"] = scratch.get("u", 0.0) + u[has].mean() * batch.y.numel()
+                scratch["lcl"].add_(lcl.detach() * batch.y.numel())
+                scratch["u"].add_(u[has].mean().detach() * batch.y.numel())
         return loss
 
-    def _normaliser(self, anchor: Tensor, glob: Tensor, has: Tensor, payload: Payload) -> Tensor:
+    def _normaliser(self, anchor: Tensor, glob: Tensor, has: Tensor, scratch: Scratch) -> Tensor:
         """``U`` per class, ``[C]`` (Eq. 2 and spec L1)."""
         if self.p.u_mode == "none":
             return torch.ones(glob.shape[0], dtype=anchor.dtype, device=anchor.device)
         if self.p.u_mode == "round":
-            return payload.tensors["u_round"]
+            return scratch["u_round"]
         dist = torch.cdist(anchor.detach(), glob.to(anchor.dtype))  # [B, C]
         if self.p.u_mode == "scalar":
             return dist[:, has].mean().expand(glob.shape[0]) + _EPS
@@ -358,18 +362,19 @@ class FedSKC(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         # Spec S3: an eval-mode pass over the local data with the final model (no augmentation).
         model.eval()
         logits = embed_in_chunks(model, client.x)
         model.train()
         table, counts = structural_knowledge(logits, client.y, self.ctx.num_classes, self.p.silu_protos)
         classes, protos, _ = pack(table, counts)
-        n = max(int(scratch.get("n", 0)), 1)
-        scalars = {"ce": float(scratch.get("ce", 0.0)) / n, "lcl": float(scratch.get("lcl", 0.0)) / n}
-        scalars["lcl_u"] = float(scratch.get("u", 0.0)) / n
-        tensors = model_tensors(model.state_dict())
+        n = max(int(scratch["n"]), 1)
+        metrics = {"ce": float(scratch["ce"]) / n, "lcl": float(scratch["lcl"]) / n}
+        metrics["lcl_u"] = float(scratch["u"]) / n
+        tensors = model_arrays(model.state_dict())
         tensors.update(classes=classes, protos=protos.detach().clone())
-        return Payload(tensors=tensors, scalars=scalars)
+        return LocalOutput(Payload(arrays=tensors, metrics=metrics), state)

@@ -8,19 +8,23 @@ makes sense: there is no global model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
-from torch import nn
+from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     ClientView,
+    LocalOutput,
     LocalResult,
     Payload,
-    Phase,
+    RoundInfo,
+    Scratch,
     State,
-    load_state,
+    Upload,
+    clone_state,
 )
 from fedskew.errors import ConfigError
 
@@ -29,34 +33,28 @@ from fedskew.errors import ConfigError
 class Local(Algorithm):
     """Local: each client trains a persistent personal model; no communication (0 bytes)."""
 
-    name = "local"
     vectorizable = True
     loss_reads = frozenset()  # plain cross-entropy
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
+    heterogeneous_models: ClassVar[bool] = True
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
         return Payload()  # nothing is sent
 
-    def aggregate(self, server: State, uploads: list, round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         return server  # nothing was received; ``server["weights"]`` stays the initial model
 
-    def init_client(self, cid: int, server: State) -> State:
+    def init_client(self, cid: int) -> State:
         # The run's initial model in this client's architecture (the common one when homogeneous).
         return {"weights": self.ctx.initial_state(cid)}
 
-    def load_model(self, model: nn.Module, payload: Payload, state: State | None) -> None:
+    def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
             raise ConfigError(
                 "algorithm 'local' has no global model to evaluate; set eval.protocol=personalized"
             )
-        load_state(model, state["weights"])
-
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        self.load_model(model, payload, state)
-        return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)]
+        return state["weights"]
 
     def finish_local(
         self,
@@ -64,9 +62,9 @@ class Local(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        # clone: ``model`` is an engine-owned instance reused by the next client
-        state["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return Payload()
+        info: RoundInfo,
+    ) -> LocalOutput:
+        # cloned: ``model`` is an engine-owned instance reused by the next client
+        return LocalOutput(Payload(), {**state, "weights": clone_state(model.state_dict())})

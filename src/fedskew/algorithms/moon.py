@@ -21,6 +21,8 @@ Deviations / choices:
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -33,10 +35,14 @@ from fedskew.algorithms.base import (
     ClientView,
     Context,
     HyperParams,
+    LocalOutput,
+    LocalPlan,
     LocalResult,
     Payload,
-    Phase,
+    RoundInfo,
+    Scratch,
     State,
+    clone_state,
     load_state,
 )
 
@@ -60,8 +66,6 @@ def _frozen(model: nn.Module) -> nn.Module:
 class Moon(Algorithm):
     """MOON (Li et al. 2021): model-contrastive loss between local, global and previous representations."""
 
-    name = "moon"
-
     class Params(HyperParams):
         mu: float = Field(
             5.0,
@@ -75,36 +79,39 @@ class Moon(Algorithm):
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
-        # Frozen reference models, built once on first use and reloaded per client (no per-batch copies).
-        self._global_net: nn.Module | None = None
-        self._prev_net: nn.Module | None = None
+        # Frozen reference models per architecture (clients' models may differ: ``model.per_client``), built
+        # on first use and reloaded per client (no per-batch copies). A working buffer, not state.
+        self._references: dict[Hashable, tuple[nn.Module, nn.Module]] = {}
+        self._loaded: tuple[nn.Module, nn.Module] | None = None
 
-    def _references(self, cid: int) -> tuple[nn.Module, nn.Module]:
-        if self._global_net is None or self._prev_net is None:
-            self._global_net = _frozen(self.ctx.build_model(cid))
-            self._prev_net = _frozen(self.ctx.build_model(cid))
-        return self._global_net, self._prev_net
+    def references(self, cid: int) -> tuple[nn.Module, nn.Module]:
+        """The (global, previous) reference networks in client ``cid``'s architecture."""
+        key = self.ctx.arch_key(cid)
+        if key not in self._references:
+            self._references[key] = (_frozen(self.ctx.build_model(cid)), _frozen(self.ctx.build_model(cid)))
+        return self._references[key]
 
     def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView
-    ) -> list[Phase]:
-        phases = super().start_local(model, payload, state, client)
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> LocalPlan:
+        self._loaded = None
         if "prev" in state:
-            global_net, prev_net = self._references(client.cid)
+            global_net, prev_net = self.references(client.cid)
             load_state(global_net, payload.model_state())
             load_state(prev_net, state["prev"])
-        return phases
+            self._loaded = (global_net, prev_net)
+        return super().start_local(model, payload, state, client, info)
 
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         z = model.features(batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)
         if "prev" not in state or self.p.mu == 0.0:  # first participation: see the module docstring
             return loss
-        global_net, prev_net = self._global_net, self._prev_net
-        if global_net is None or prev_net is None:
-            raise RuntimeError("moon: local_loss called before start_local built the reference models")
+        if self._loaded is None:
+            raise RuntimeError("moon: local_loss called before start_local loaded the reference models")
+        global_net, prev_net = self._loaded
         with torch.no_grad():
             z_glob = global_net.features(batch.x)
             z_prev = prev_net.features(batch.x)
@@ -116,10 +123,11 @@ class Moon(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         # The trained model becomes next participation's "previous" one; cloned because the engine reuses
         # ``model`` for the next client.
-        state["prev"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return super().finish_local(model, payload, state, client, scratch, result)
+        out = super().finish_local(model, payload, state, client, scratch, result, info)
+        return LocalOutput(out.upload, {**state, "prev": clone_state(model.state_dict())})

@@ -25,6 +25,7 @@ pooled`` (Variant B), ``proto_source: recompute`` (A4 option), ``kmeans_init: km
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
@@ -38,17 +39,19 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
+    clone_state,
     embedding_dim,
-    load_state,
-    model_tensors,
+    model_arrays,
 )
 from fedskew.models.base import embed_in_chunks
 from fedskew.protos import class_sums, kmeans, nearest_prototype_scores
-from fedskew.seeding import derive_seed
 
 CLUSTER_KEY = 0x4D50  # seed stream of the client-side clustering ("MP")
 
@@ -170,12 +173,14 @@ class MPFedCL(Algorithm):
     """MP-FedCL (Qiao et al. 2023): k-means multi-prototypes, a global prototype pool and a supervised
     contrastive prototype loss; nearest-prototype inference."""
 
-    name = "mpfedcl"
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        k: int = Field(2, ge=1, description="K, prototypes per class and client (MNIST 2, Digit-5/Office 4, "
-                       "DomainNet 3; §5.6)")
+        k: int = Field(
+            2,
+            ge=1,
+            description="K, prototypes per class and client (MNIST 2, Digit-5/Office 4, DomainNet 3; §5.6)",
+        )
         clustering: Literal["kmeans", "mean", "dbscan"] = Field(
             "kmeans", description="Eq. 7 k-means; mean (SP-FedCL); DBSCAN (DP-FedCL, spec A12)"
         )
@@ -221,35 +226,35 @@ class MPFedCL(Algorithm):
             protos=torch.zeros(0, dim, device=self.ctx.device),
             classes=torch.zeros(0, dtype=torch.long, device=self.ctx.device),
             owners=torch.zeros(0, dtype=torch.long, device=self.ctx.device),
-            round=0,
         )
         return server
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """Global weights and the real pool with class and owner ids; clients pad it themselves (Eq. 10),
         which is the same information as the dense pool in at most N·C·K·d floats."""
-        tensors = model_tensors(server["weights"])
+        tensors = model_arrays(server["weights"])
         tensors.update(
             pool_protos=server["protos"].clone(),
             pool_classes=server["classes"].clone(),
             pool_owners=server["owners"].clone(),
         )
-        return Payload(tensors=tensors, scalars={"round": float(server["round"] + 1)})
+        return Payload(arrays=tensors)
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """FedAvg on the weights (Alg. 1 line 9); the pool keeps every uploaded centroid (Eq. 8), replacing
         the previous ones of the uploading clients."""
-        server = super().aggregate(server, uploads, round_idx)
+        server = super().aggregate(server, uploads, info)
         dev = server["protos"].device
         uploaded = torch.tensor([u.cid for u in uploads], dtype=torch.long, device=dev)
         keep = ~torch.isin(server["owners"], uploaded)
-        new = [u.payload.tensors for u in uploads]
+        new = [u.payload.arrays for u in uploads]
         owners = [torch.full_like(t["classes"], u.cid) for t, u in zip(new, uploads, strict=True)]
-        server["protos"] = torch.cat([server["protos"][keep], *[t["protos"].to(dev) for t in new]])
-        server["classes"] = torch.cat([server["classes"][keep], *[t["classes"].to(dev) for t in new]])
-        server["owners"] = torch.cat([server["owners"][keep], *[o.to(dev) for o in owners]])
-        server["round"] = round_idx
-        return server
+        return {
+            **server,
+            "protos": torch.cat([server["protos"][keep], *[t["protos"].to(dev) for t in new]]),
+            "classes": torch.cat([server["classes"][keep], *[t["classes"].to(dev) for t in new]]),
+            "owners": torch.cat([server["owners"][keep], *[o.to(dev) for o in owners]]),
+        }
 
     def round_metrics(self, server: State) -> dict[str, float]:
         c = self.ctx.num_classes
@@ -269,26 +274,41 @@ class MPFedCL(Algorithm):
         return F.normalize(z, dim=1) if self.p.normalize else z
 
     def _pool(self, payload: Payload, device: torch.device) -> tuple[Tensor, Tensor] | None:
-        protos = payload.tensors["pool_protos"].to(device)
+        protos = payload.arrays["pool_protos"].to(device)
         if protos.shape[0] == 0:
             return None  # round 1: empty pool, L_R = 0 (A6)
-        classes = payload.tensors["pool_classes"].to(device)
-        owners = payload.tensors["pool_owners"].to(device)
+        classes = payload.arrays["pool_classes"].to(device)
+        owners = payload.arrays["pool_owners"].to(device)
         return pad_pool(protos, classes, owners, self.ctx.num_classes, self.p.k, self.p.padding)
 
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> dict[str, Tensor]:
+        """The padded pool (Eq. 10; absent in round 1) and, for ``last_epoch``, buffers that collect the last
+        epoch's embeddings and labels in batch order (Alg. 1 line 13)."""
+        scratch: dict[str, Tensor] = {}
+        padded = self._pool(payload, client.x.device)
+        if padded is not None:
+            scratch["pool"], scratch["present"] = padded
+        if self.p.proto_source == "last_epoch":
+            n, dim = client.num_samples, embedding_dim(model, self.name)
+            scratch["z"] = torch.zeros(n, dim, device=client.x.device)
+            scratch["y"] = torch.zeros(n, dtype=client.y.dtype, device=client.x.device)
+            scratch["filled"] = torch.zeros((), dtype=torch.long)
+        return scratch
+
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         z = self._embed(model, batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)  # L_S (Eq. 1-2)
-        if "pool" not in scratch:
-            scratch["pool"] = self._pool(payload, z.device)
-            scratch["z"], scratch["y"] = [], []
-        if batch.last_epoch and self.p.proto_source == "last_epoch":
-            scratch["z"].append(z.detach())  # Alg. 1 line 13
-            scratch["y"].append(batch.y)
-        if scratch["pool"] is not None and self.p.weight > 0:
-            pool, present = scratch["pool"]
+        if batch.last_epoch and "filled" in scratch:
+            k, b = int(scratch["filled"]), batch.y.numel()
+            scratch["z"][k : k + b] = z.detach()  # Alg. 1 line 13
+            scratch["y"][k : k + b] = batch.y
+            scratch["filled"].add_(b)
+        if "pool" in scratch and self.p.weight > 0:
+            pool, present = scratch["pool"], scratch["present"]
             if self.p.loss_form == "slice":
                 reg = prototype_contrastive_loss(
                     z, batch.y, pool, present, self.p.tau, self.p.positives, self.p.reduction
@@ -310,16 +330,16 @@ class MPFedCL(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
-        if scratch.get("z"):
-            z, y = torch.cat(scratch["z"]), torch.cat(scratch["y"])
+        info: RoundInfo,
+    ) -> LocalOutput:
+        filled = int(scratch["filled"]) if "filled" in scratch else 0
+        if filled:
+            z, y = scratch["z"][:filled], scratch["y"][:filled]
         else:  # proto_source=recompute, or no batch ran
             z, y = self._recompute(model, client)
-        gen = torch.Generator().manual_seed(
-            derive_seed(self.ctx.seed, int(payload.scalars["round"]), client.cid, CLUSTER_KEY)
-        )
+        gen = info.generator(CLUSTER_KEY)
         protos, classes = [], []
         for j in torch.unique(y).tolist():  # one clustering per class held (≤ C calls, Eq. 7)
             p = self.p
@@ -328,28 +348,27 @@ class MPFedCL(Algorithm):
             classes.append(torch.full((centers.shape[0],), j, dtype=torch.long, device=z.device))
         weights = model.state_dict()
         if self.p.eval_weights == "local":
-            state["weights"] = {k: v.detach().clone() for k, v in weights.items()}
-        tensors = model_tensors(weights)
+            state = {**state, "weights": clone_state(weights)}
+        tensors = model_arrays(weights)
         tensors.update(protos=torch.cat(protos).detach().clone(), classes=torch.cat(classes))
-        return Payload(tensors=tensors)
+        return LocalOutput(Payload(arrays=tensors), state)
 
     # ---------------------------------------------------------------- evaluation
-    def load_eval(self, model: nn.Module, payload: Payload, state: State | None) -> None:
+    def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is not None and "weights" in state and self.p.eval_weights == "local":
-            load_state(model, state["weights"])  # ω_i of the client's last local update (A9)
-        else:
-            self.load_model(model, payload, state)
+            return state["weights"]  # ω_i of the client's last local update
+        return payload.model_state()
 
     def predict(
         self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
     ) -> dict[str, Tensor]:
         """``proto``: nearest prototype of the pool (Eq. 13, primary); ``logits``: the classifier f_c."""
         z = self._embed(model, x)
-        protos = payload.tensors["pool_protos"].to(z.device)
+        protos = payload.arrays["pool_protos"].to(z.device)
         if protos.shape[0] == 0:
             scores = torch.zeros(z.shape[0], self.ctx.num_classes, device=z.device)
         elif self.p.eval_pool == "real":
-            classes = payload.tensors["pool_classes"].to(z.device)
+            classes = payload.arrays["pool_classes"].to(z.device)
             table, mask = class_table(protos, classes, self.ctx.num_classes)
             scores = nearest_prototype_scores(z, table, mask)
         else:
@@ -364,8 +383,6 @@ class MPFedCL(Algorithm):
 class SPFedCL(MPFedCL):
     """SP-FedCL (MP-FedCL §V): one prototype per class, the class mean; no clustering."""
 
-    name = "spfedcl"
-
     class Params(MPFedCL.Params):
         k: int = Field(1, ge=1, le=1, description="K = 1: a single prototype per class")
         clustering: Literal["mean"] = Field("mean", description="the class mean replaces k-means")
@@ -375,8 +392,6 @@ class SPFedCL(MPFedCL):
 class DPFedCL(MPFedCL):
     """DP-FedCL (MP-FedCL §V): DBSCAN per class instead of k-means, so the prototype count varies; trained
     with the pooled SupCon form by default (spec A12)."""
-
-    name = "dpfedcl"
 
     class Params(MPFedCL.Params):
         clustering: Literal["dbscan"] = Field("dbscan", description="DBSCAN per class (spec A12)")

@@ -22,28 +22,34 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     HyperParams,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     State,
     Upload,
+    model_arrays,
     weighted_average,
 )
 
 #: payload prefix of control variates (server ``c`` downstream, ``Δc_i`` upstream)
 CONTROL_PREFIX = "control."
+#: scratch prefix of the per-parameter correction ``c − c_i``
+CORRECTION_PREFIX = "correction."
 
 
 def _controls(payload: Payload) -> dict[str, Tensor]:
     n = len(CONTROL_PREFIX)
-    return {k[n:]: v for k, v in payload.tensors.items() if k.startswith(CONTROL_PREFIX)}
+    return {k[n:]: v for k, v in payload.arrays.items() if k.startswith(CONTROL_PREFIX)}
 
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(Algorithm):
     """SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct client drift."""
 
-    name = "scaffold"
     vectorizable = True
+    loss_reads = frozenset()  # the loss reads only the correction made in init_scratch
 
     class Params(HyperParams):
         server_lr: float = Field(
@@ -57,24 +63,27 @@ class Scaffold(Algorithm):
         server["c"] = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
         return server
 
-    def init_client(self, cid: int, server: State) -> State:
-        return {"c": {n: torch.zeros_like(c) for n, c in server["c"].items()}}
+    def init_client(self, cid: int) -> State:
+        return {"c": self.ctx.zero_params(cid)}
 
-    def broadcast(self, server: State, cid: int | None) -> Payload:
-        payload = super().broadcast(server, cid)
-        if cid is not None:  # the server control variate is sent to training clients (counted in bytes)
-            payload.tensors.update({CONTROL_PREFIX + n: c for n, c in server["c"].items()})
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        payload = super().broadcast(server, info)
+        if info.cid is not None:  # the server control variate is sent to training clients (counted in bytes)
+            payload.arrays.update({CONTROL_PREFIX + n: c for n, c in server["c"].items()})
         return payload
 
+    def init_scratch(
+        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
+    ) -> dict[str, Tensor]:
+        """The correction ``c − c_i``, fixed during local training (Algorithm 1 line 10)."""
+        c = _controls(payload)
+        return {CORRECTION_PREFIX + n: c[n] - ci for n, ci in state["c"].items()}
+
     def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: dict
+        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
     ) -> Tensor:
         loss = super().local_loss(model, batch, payload, state, scratch)
-        if "correction" not in scratch:  # c − c_i, fixed during local training
-            c = _controls(payload)
-            scratch["correction"] = {n: c[n] - ci for n, ci in state["c"].items()}
-        corr = scratch["correction"]
-        terms = [(corr[n] * p).sum() for n, p in model.named_parameters()]
+        terms = [(scratch[CORRECTION_PREFIX + n] * p).sum() for n, p in model.named_parameters()]
         return loss + sum(terms[1:], terms[0])
 
     def finish_local(
@@ -83,9 +92,10 @@ class Scaffold(Algorithm):
         payload: Payload,
         state: State,
         client: ClientView,
-        scratch: dict,
+        scratch: Scratch,
         result: LocalResult,
-    ) -> Payload:
+        info: RoundInfo,
+    ) -> LocalOutput:
         x, c = payload.model_state(), _controls(payload)
         y = dict(model.named_parameters())
         c_old = state["c"]
@@ -94,21 +104,20 @@ class Scaffold(Algorithm):
             c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
         else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
             c_new = dict(c_old)
-        state["c"] = c_new
-        upload = super().finish_local(model, payload, state, client, scratch, result)
+        upload = Payload(arrays=model_arrays(model.state_dict()))
         # y_i travels as the model state (the same size as Δy_i; the server subtracts x), Δc_i beside it
-        upload.tensors.update({CONTROL_PREFIX + n: c_new[n] - c_old[n] for n in c_old})
-        return upload
+        upload.arrays.update({CONTROL_PREFIX + n: c_new[n] - c_old[n] for n in c_old})
+        return LocalOutput(upload, {**state, "c": c_new})
 
-    def aggregate(self, server: State, uploads: list[Upload], round_idx: int) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         x = server["weights"]
         n = len(uploads)
         uniform = torch.full((n,), 1.0 / n)  # the paper averages uniformly over the sampled set S
         mean_y = weighted_average([u.payload.model_state() for u in uploads], uniform)
         mean_dc = weighted_average([_controls(u.payload) for u in uploads], uniform)
         new = dict(mean_y)  # buffers: the plain mean over participants
-        for name in server["c"]:
+        controls = {}
+        for name, c in server["c"].items():
             new[name] = x[name] + self.p.server_lr * (mean_y[name] - x[name])  # x + η_g mean Δy
-            server["c"][name] = server["c"][name] + (n / self.ctx.num_clients) * mean_dc[name]
-        server["weights"] = new
-        return server
+            controls[name] = c + (n / self.ctx.num_clients) * mean_dc[name]
+        return {**server, "weights": new, "c": controls}

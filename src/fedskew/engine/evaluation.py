@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.algorithms.base import Algorithm, Payload, State
+from fedskew.algorithms.base import Algorithm, Payload, RoundInfo, State, load_state
+from fedskew.engine.runtime import ModelCache
+from fedskew.engine.types import tree_to
+
+#: default evaluation batch per device type: on a CPU, 128 images keep a CNN's activations in cache (a 10k
+#: MNIST evaluation of cnn_mnist took 3.7 s at 1024 and 1.6 s at 128); a GPU wants large batches
+EVAL_BATCH = {"cpu": 128}
+EVAL_BATCH_OTHER = 1024
 
 
 @dataclass
@@ -77,3 +84,97 @@ def segment_mean(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tens
     sums.index_add_(0, segment_ids, values.double())
     counts = torch.bincount(segment_ids, minlength=num_segments).double().clamp_min(1)
     return sums / counts
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass
+class EvalData:
+    """The held-out tensors on the device: the raw global test set (converted per batch), the clients'
+    test splits as index views into it, and the validation views into the normalised training pool."""
+
+    x_test: Tensor
+    y_test: Tensor
+    to_float: Callable[[Tensor], Tensor]
+    test_idx: list[Tensor]
+    x_train: Tensor
+    y_train: Tensor
+    val_idx: list[Tensor]
+
+
+class Evaluator:
+    """Metrics of a (server state, client states) pair under ``global`` or ``personalized`` protocol."""
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        models: ModelCache,
+        data: EvalData,
+        protocol: str,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        self.algorithm, self.models, self.data = algorithm, models, data
+        self.protocol, self.batch_size, self.seed = protocol, batch_size, seed
+
+    def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
+        """The record of ``server`` and the clients' states (``state_of(cid)``, CPU) after ``round_idx``."""
+        d, per_client = self.data, self.protocol == "personalized"
+        scorer = _Scorer(self, server, state_of, round_idx)
+        out = scorer.split(d.x_test, d.y_test, d.test_idx if per_client else None, d.to_float)
+        if sum(len(v) for v in d.val_idx):
+            # Validation (for best-round selection, never test) lives in the already-normalised training pool.
+            if per_client:
+                val = scorer.split(d.x_train, d.y_train, d.val_idx, _identity)
+            else:
+                idx = torch.cat(d.val_idx)
+                val = scorer.split(d.x_train[idx], d.y_train[idx], None, _identity)
+            out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
+        return out
+
+
+@dataclass
+class _Scorer:
+    ev: Evaluator
+    server: State
+    state_of: Callable[[int], State]
+    round_idx: int
+
+    def score(
+        self, cid: int | None, x: Tensor, y: Tensor, to_float: Callable[[Tensor], Tensor]
+    ) -> HeadScores:
+        alg = self.ev.algorithm
+        payload = alg.broadcast(self.server, RoundInfo(self.round_idx, cid, self.ev.seed))
+        device = x.device
+        state = None if cid is None else tree_to(self.state_of(cid), device)
+        model = self.ev.models.model_for(cid)
+        load_state(model, alg.eval_weights(payload, state))
+        return score(alg, model, payload, state, x, y, self.ev.batch_size, to_float)
+
+    def split(
+        self, x: Tensor, y: Tensor, client_idx: list[Tensor] | None, to_float: Callable[[Tensor], Tensor]
+    ) -> dict[str, Any]:
+        """``client_idx=None``: the global protocol on ``(x, y)``; else per-client subsets of ``x``."""
+        if client_idx is None:
+            s = self.score(None, x, y, to_float)
+            heads = list(s.correct)
+            return summarize(
+                {h: c.double().mean().view(1) for h, c in s.correct.items()}, float(s.loss.mean()), heads
+            )
+        sizes = torch.tensor([len(i) for i in client_idx], device=x.device)
+        seg = torch.repeat_interleave(torch.arange(len(client_idx), device=x.device), sizes)
+        if self.ev.algorithm.personalized_eval:
+            parts = [self.score(cid, x[idx], y[idx], to_float) for cid, idx in enumerate(client_idx)]
+            correct = {h: torch.cat([p.correct[h] for p in parts]) for h in parts[0].correct}
+            loss = torch.cat([p.loss for p in parts])
+        else:  # one shared model: score each distinct test sample once, then gather per client
+            uniq, inverse = torch.unique(torch.cat(client_idx), return_inverse=True)
+            s = self.score(None, x[uniq], y[uniq], to_float)
+            correct = {h: c[inverse] for h, c in s.correct.items()}
+            loss = s.loss[inverse]
+        n = len(client_idx)
+        per_client = {h: segment_mean(c, seg, n) for h, c in correct.items()}
+        mean_loss = float(segment_mean(loss, seg, n).mean())
+        return summarize(per_client, mean_loss, list(correct), sizes)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,21 +40,19 @@ from torch.func import grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fedskew.algorithms.base import Batch, ClientView, LocalResult, Payload, Phase, State, Upload
-from fedskew.engine.sampling import derive_seed
+from fedskew.algorithms.base import Algorithm, Batch, LocalResult, Payload, Phase, RoundInfo, Scratch
+from fedskew.engine.client import PreparedClient, epoch_batches, finish_client, prepare_client
+from fedskew.engine.runtime import ClientRuntime
+from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch
-
-if TYPE_CHECKING:
-    from fedskew.engine.loop import ClientOutcome, Simulation
 
 
 class NotVectorizable(RuntimeError):
     """The round's clients cannot be trained together (the message says why); the caller falls back."""
 
 
-def unsupported_reason(sim: Simulation, model: nn.Module) -> str | None:
-    """``None`` if ``sim``'s algorithm and ``model`` can be trained vectorized, else why not."""
-    alg = sim.algorithm
+def unsupported_reason(alg: Algorithm, model: nn.Module) -> str | None:
+    """``None`` if ``alg`` and ``model`` can be trained vectorized, else why not."""
     if not getattr(alg, "vectorizable", False):
         return f"{alg.name}'s local loss keeps per-client modules or state outside the batch"
     for m in model.modules():
@@ -92,13 +90,9 @@ def chunk_size(model: nn.Module, x: Tensor, batch_size: int, memory_mb: float) -
 
 @dataclass
 class _Client:
-    cid: int
-    payload: Payload
-    state: State
-    view: ClientView
-    generator: torch.Generator
-    seed: int
-    phases: list[Phase]
+    """A prepared client and its running totals in the batched loop."""
+
+    prep: PreparedClient
     steps: int = 0
     loss: float = float("nan")
     lr: float = 0.0
@@ -106,7 +100,10 @@ class _Client:
     count: int = 0
     finite: bool = True
     batches: list[Tensor] = field(default_factory=list)
-    scratch: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def phases(self) -> list[Phase]:
+        return self.prep.plan.phases
 
 
 def _phase_key(phase: Phase, names: list[str]) -> tuple:
@@ -140,57 +137,46 @@ def _rebuild(leaves: list[Any], spec: Any, tensor_pos: list[int], tensors: list[
     return tree_unflatten(out, spec)
 
 
-def _epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
-    """The sequential loop's batches of one epoch (same permutation draw, trailing batch of one skipped)."""
-    bs = max(1, min(batch_size, n))
-    perm = torch.randperm(n, generator=generator).to(device)
-    return [perm[s : s + bs] for s in range(0, n, bs) if not (min(bs, n - s) == 1 and n > 1)]
-
-
-def train_vectorized(sim: Simulation, cids: list[int], round_idx: int) -> list[ClientOutcome]:
-    """Train ``cids`` (one architecture) for round ``round_idx`` in chunks; outcomes in ``cids`` order."""
-    model = sim.model_for(cids[0])
-    cfg = sim.client_cfg
-    size = chunk_size(model, sim.x_train, cfg.batch_size, sim.memory_mb)
+def train_vectorized(
+    rt: ClientRuntime, job: RoundJob, cids: list[int], memory_mb: float
+) -> list[ClientOutcome]:
+    """Train ``cids`` (one architecture) of ``job`` in chunks under ``memory_mb``; outcomes in ``cids``
+    order."""
+    model = rt.models.model_for(cids[0])
+    size = chunk_size(model, rt.data.x, rt.client.batch_size, memory_mb)
     out: list[ClientOutcome] = []
     for start in range(0, len(cids), size):
-        out += _train_chunk(sim, model, cids[start : start + size], round_idx)
+        out += _train_chunk(rt, model, job, cids[start : start + size])
     return out
 
 
-def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: int) -> list[ClientOutcome]:
-    from fedskew.engine.loop import ClientOutcome, tree_to
-
-    alg, cfg = sim.algorithm, sim.client_cfg
+def _train_chunk(rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
+    alg, cfg = rt.algorithm, rt.client
     names = [n for n, _ in model.named_parameters()]
     clients: list[_Client] = []
     starts: list[dict[str, Tensor]] = []
     for cid in cids:
-        payload = alg.broadcast(sim.server, cid)
-        state = tree_to(sim.client_state(cid), sim.device)
-        view = sim.client_view(cid)
-        seed = derive_seed(sim.seed, round_idx, cid)
-        seed_torch(seed, sim.device)
-        phases = alg.start_local(model, payload, state, view)
-        scratch = alg.init_scratch(model, payload, state, view)
+        payload = alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed))
+        state = tree_to(job.states[cid], rt.device)
+        clients.append(_Client(prepare_client(rt, model, cid, job.round, payload, state)))
         starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        gen = torch.Generator().manual_seed(seed)
-        clients.append(_Client(cid, payload, state, view, gen, seed, phases, scratch=scratch))
     keys = {tuple(_phase_key(p, names) for p in c.phases) for c in clients}
     if len(keys) > 1:
         raise NotVectorizable("clients run different local phases")
     reads_payload = "payload" in alg.loss_reads
-    if reads_payload and len({tuple(sorted(c.payload.scalars.items())) for c in clients}) > 1:
-        raise NotVectorizable("clients' payload scalars differ")
+    if reads_payload and len({tuple(sorted(c.prep.payload.config.items())) for c in clients}) > 1:
+        raise NotVectorizable("clients' payload config values differ")
     buffers = {n: b for n, b in model.named_buffers()}
     params = {n: torch.stack([s[n] for s in starts]) for n in names}
-    payloads = [c.payload.tensors if reads_payload else {} for c in clients]
+    payloads = [c.prep.payload.arrays if reads_payload else {} for c in clients]
     pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees(payloads, "payloads")
-    states = [c.state if "state" in alg.loss_reads else {} for c in clients]
+    states = [c.prep.plan.state if "state" in alg.loss_reads else {} for c in clients]
     st_t, st_leaves, st_spec, st_pos = _stack_trees(states, "states")
-    sc_t, sc_leaves, sc_spec, sc_pos = _stack_trees([c.scratch for c in clients], "init_scratch tensors")
+    sc_t, sc_leaves, sc_spec, sc_pos = _stack_trees(
+        [dict(c.prep.scratch) for c in clients], "init_scratch tensors"
+    )
     scratch_t: dict[str, Tensor] = _rebuild(sc_leaves, sc_spec, sc_pos, sc_t)
-    scalars = dict(clients[0].payload.scalars) if reads_payload else {}
+    config = dict(clients[0].prep.payload.config) if reads_payload else {}
 
     def loss_fn(
         train: dict[str, Tensor],
@@ -203,11 +189,11 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
         epoch: int,
         last: bool,
     ) -> tuple[Tensor, Tensor]:
-        payload = Payload(tensors=_rebuild(pay_leaves, pay_spec, pay_pos, pay), scalars=dict(scalars))
+        payload = Payload(arrays=_rebuild(pay_leaves, pay_spec, pay_pos, pay), config=dict(config))
         state = _rebuild(st_leaves, st_spec, st_pos, st)
         batch = Batch(x, y, epoch=epoch, last_epoch=last)
         with _reparametrize_module(model, {**train, **frozen, **buffers}):
-            loss = alg.local_loss(model, batch, payload, state, dict(scratch))  # scratch: updated in place
+            loss = alg.local_loss(model, batch, payload, state, Scratch(scratch))  # tensors: updated in place
         return loss, loss.detach()
 
     step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]] = vmap(
@@ -215,17 +201,17 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
     )
     model.train()
     phases = clients[0].phases
-    decay = cfg.lr_decay ** (round_idx - 1)
     for p_i, phase in enumerate(phases):
         trainable = list(_phase_key(phase, names)[2])
         momentum = cfg.momentum if phase.momentum is None else phase.momentum
-        client_lrs = [c.phases[p_i].lr * decay for c in clients]
+        client_lrs = [c.phases[p_i].lr * c.prep.lr_scale for c in clients]
         lr = torch.tensor(client_lrs, dtype=params[names[0]].dtype, device=params[names[0]].device)
         bufs = {n: torch.zeros_like(params[n]) for n in trainable}
         for epoch in range(phase.epochs):
             last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
             for c in clients:
-                c.batches = _epoch_batches(c.view.num_samples, cfg.batch_size, c.generator, sim.device)
+                view = c.prep.view
+                c.batches = epoch_batches(view.num_samples, cfg.batch_size, c.prep.generator, rt.device)
             for c, c_lr in zip(clients, client_lrs, strict=True):
                 c.total, c.count, c.lr = 0.0, 0, c_lr
             for t in range(max(len(c.batches) for c in clients)):
@@ -257,20 +243,16 @@ def _train_chunk(sim: Simulation, model: nn.Module, cids: list[int], round_idx: 
                 c.finite = c.finite and math.isfinite(c.loss)
     outcomes = []
     for k, c in enumerate(clients):
-        out = ClientOutcome(cid=c.cid, bytes_down=c.payload.nbytes(), params_down=c.payload.num_params())
-        if c.finite:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(params[n][k])
-            seed_torch(c.seed, sim.device)
-            result = LocalResult(steps=c.steps, loss=c.loss, lr=c.lr)
-            scratch = {n: v[k] for n, v in scratch_t.items()}
-            upload = alg.finish_local(model, c.payload, c.state, c.view, scratch, result)
-            if upload.is_finite():
-                out.upload = Upload(cid=c.cid, num_samples=c.view.num_samples, payload=upload)
-                out.state = tree_to(c.state, "cpu")
-                out.loss = c.loss
-        outcomes.append(out)
+        prep = c.prep
+        if not c.finite:
+            outcomes.append(ClientOutcome(prep.cid, prep.payload.nbytes(), prep.payload.num_params()))
+            continue
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n][k])
+        seed_torch(prep.seed, rt.device)  # the global stream as the client's own, after the batched loop
+        prep.scratch = Scratch({n: v[k] for n, v in scratch_t.items()})
+        outcomes.append(finish_client(rt, model, prep, LocalResult(steps=c.steps, loss=c.loss, lr=c.lr)))
     return outcomes
 
 
@@ -300,7 +282,7 @@ def _step(
         return v if sel is None else v.index_select(0, sel)
 
     idx = torch.stack([clients[k].batches[t] for k in members])  # [G, B]
-    view_x = [clients[k].view for k in members]
+    view_x = [clients[k].prep.view for k in members]
     x = torch.stack([v.x[i] for v, i in zip(view_x, idx, strict=True)])
     y = torch.stack([v.y[i] for v, i in zip(view_x, idx, strict=True)])
     train = {n: take(params[n]) for n in trainable}

@@ -5,19 +5,20 @@ is running several single-threaded clients at once (two single-threaded processe
 by ~1.3x on FedAvg/MNIST, issue 8). The workers are forked once, after the simulation is built, so they
 inherit the dataset tensors, the models and the algorithm copy-on-write: nothing is set up twice and the
 data is never pickled. Each round the parent sends a worker the server state (once, with its first task of
-the round) and, per task, the client id and that client's state; the worker runs the very same
-:meth:`Simulation.train_client` as the sequential loop and sends the outcome back.
+the round) and, per task, the client ids and their states; the worker runs the very same
+:func:`~fedskew.engine.executors.train_sequential` (or the vectorized path) as the parent would and sends the
+outcomes back.
 
 Messages carry their tensors through an :class:`Arena` per worker and direction: an anonymous shared mapping
 made before the fork, so a tensor costs one copy in and one copy out. (torch's own sharing makes a shared
 memory file per tensor and passes its descriptor over a socket: ~0.6 ms a tensor, 5 ms for an 8-tensor
 upload, more than training a 60-sample client costs.)
 
-Results equal the sequential loop's: ``train_client`` seeds everything from ``(seed, round, client)``, the
+Results equal the sequential executor's: ``train_client`` seeds everything from ``(seed, round, client)``, the
 outcomes are put back in sampling order, and the parent alone aggregates and evaluates. Tasks go out
 largest client first, each to the first worker that is free (longest-processing-time scheduling).
 
-Forking needs a CPU simulation (CUDA cannot be forked); :func:`pool_supported` says why not otherwise.
+Forking needs a CPU run (CUDA cannot be forked); :func:`pool_supported` says why not otherwise.
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ import signal
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-if TYPE_CHECKING:
-    from fedskew.engine.loop import ClientOutcome, Simulation
+from fedskew.algorithms.base import State
+from fedskew.engine.executors import train_grouped_vectorized, train_sequential
+from fedskew.engine.runtime import ClientRuntime
+from fedskew.engine.types import ClientOutcome, RoundJob
 
 log = logging.getLogger("fedskew.engine")
 
-#: the simulation the forked workers inherit (set only while forking)
-_INHERITED: Simulation | None = None
+#: the client runtime the forked workers inherit (set only while forking)
+_INHERITED: ClientRuntime | None = None
 #: seconds between liveness checks while waiting for results
 _POLL_SECONDS = 1.0
 #: bytes of each arena (virtual: pages are only backed once written); larger messages are pickled whole
@@ -126,39 +129,39 @@ class WorkerFailure:
     error: BaseException
 
 
-def pool_supported(sim: Simulation) -> str | None:
-    """``None`` if ``sim`` can train clients in forked workers, else the reason it cannot."""
-    if sim.device.type != "cpu":
-        return f"engine.workers > 1 needs engine.device=cpu (forked workers cannot share {sim.device.type})"
+def pool_supported(device: torch.device) -> str | None:
+    """``None`` if clients on ``device`` can train in forked workers, else the reason they cannot."""
+    if device.type != "cpu":
+        return f"engine.workers > 1 needs engine.device=cpu (forked workers cannot share {device.type})"
     if "fork" not in mp.get_all_start_methods():
         return "engine.workers > 1 needs the 'fork' start method (not available on this platform)"
     return None
 
 
 def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena) -> None:
-    """Worker loop: ``(round, cids, server | None, client states, vectorized)`` in, ``(wid, cids,
-    outcomes)`` out. A task is one client, or with ``vectorized`` a group trained at once with vmap."""
-    sim = _INHERITED
-    assert sim is not None
+    """Worker loop: ``(round, cids, server | None, client states, vectorized, memory_mb)`` in, ``(wid, cids,
+    outcomes)`` out. A task is one client, or with ``vectorized`` a group trained at once with vmap. The
+    server state comes with a worker's first task of a round and serves its later ones."""
+    rt = _INHERITED
+    assert rt is not None
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
+    server: State = {}
     while True:
         message = inbox.get()
         if message is None:
             return
-        round_idx, cids, server, states, vectorized = task_arena.loads(message)
-        if server is not None:
-            sim.server = server
-        sim.client_states.update(zip(cids, states, strict=True))
+        round_idx, cids, new_server, states, vectorized, memory_mb = task_arena.loads(message)
+        if new_server is not None:
+            server = new_server
+        job = RoundJob(round_idx, cids, server, dict(zip(cids, states, strict=True)))
         try:
             if vectorized:
-                outcome: Any = sim._train_vectorized(cids, round_idx)
+                outcome: Any = train_grouped_vectorized(rt, job, cids, memory_mb)
             else:
-                outcome = [sim.train_client(cid, round_idx) for cid in cids]
+                outcome = train_sequential(rt, job, cids)
         except Exception as err:  # sent back: the parent raises it with the client's id
             outcome = WorkerFailure(cids[0], err)
-        for cid in cids:
-            sim.client_states.pop(cid, None)  # the parent owns client state
         outbox.put((wid, cids, result_arena.dumps(outcome)))
 
 
@@ -174,9 +177,9 @@ def balanced_groups(cids: Sequence[int], cost: Callable[[int], float], n: int) -
 
 
 class WorkerPool:
-    """``n`` persistent forked workers that train clients of a :class:`Simulation`."""
+    """``n`` persistent forked workers that train clients of a :class:`ClientRuntime`."""
 
-    def __init__(self, sim: Simulation, n: int) -> None:
+    def __init__(self, rt: ClientRuntime, n: int) -> None:
         global _INHERITED
         ctx = mp.get_context("fork")
         self.n = n
@@ -184,7 +187,7 @@ class WorkerPool:
         self.outbox = ctx.Queue()
         self.task_arenas = [Arena() for _ in range(n)]
         self.result_arenas = [Arena() for _ in range(n)]
-        _INHERITED = sim
+        _INHERITED = rt
         try:
             self.procs = [
                 ctx.Process(
@@ -200,15 +203,11 @@ class WorkerPool:
             _INHERITED = None
 
     def train(
-        self,
-        sim: Simulation,
-        cids: Sequence[int],
-        round_idx: int,
-        cost: Callable[[int], float],
-        vectorized: bool = False,
+        self, job: RoundJob, cost: Callable[[int], float], vectorized: bool = False, memory_mb: float = 0.0
     ) -> list[ClientOutcome]:
-        """Train ``cids`` for round ``round_idx``; outcomes in the order of ``cids``. ``vectorized``: one
-        group of clients per worker, of balanced cost, each trained with vmap in its worker."""
+        """Train ``job``'s clients; outcomes in the order of ``job.cids``. ``vectorized``: a group of clients
+        per worker, of balanced cost, each trained with vmap in its worker."""
+        cids = job.cids
         if vectorized:
             tasks = deque(balanced_groups(cids, cost, self.n))
         else:
@@ -218,9 +217,9 @@ class WorkerPool:
 
         def send(w: int) -> None:
             group = tasks.popleft()
-            server = None if has_server[w] else sim.server
+            server = None if has_server[w] else job.server
             has_server[w] = True
-            task = (round_idx, group, server, [sim.client_state(cid) for cid in group], vectorized)
+            task = (job.round, group, server, [job.states[cid] for cid in group], vectorized, memory_mb)
             self.inboxes[w].put(self.task_arenas[w].dumps(task))
 
         busy = 0
@@ -268,3 +267,41 @@ class WorkerPool:
                 p.kill()
                 p.join(timeout=5)
         self.procs, self.inboxes = [], []
+
+
+class WorkerExecutor:
+    """Trains a round's clients in ``workers`` forked processes (forked on the first round that needs
+    them), one client per task or, with ``vectorized``, one vmapped group per worker. Rounds too small to
+    share run in this process on the same path."""
+
+    def __init__(self, rt: ClientRuntime, workers: int, vectorized: bool, memory_mb: float) -> None:
+        self.rt, self.workers, self.vectorized, self.memory_mb = rt, workers, vectorized, memory_mb
+        self.name = "vectorized+workers" if vectorized else "workers"
+        self.pool: WorkerPool | None = None
+
+    @property
+    def processes(self) -> int:
+        """Worker processes alive now (0 before the first shared round and after :meth:`close`)."""
+        return 0 if self.pool is None else sum(p.is_alive() for p in self.pool.procs)
+
+    def train(self, job: RoundJob) -> list[ClientOutcome]:
+        too_small = len(job.cids) < (2 * self.workers if self.vectorized else 2)
+        if too_small:
+            if self.vectorized and len(job.cids) > 1:
+                return train_grouped_vectorized(self.rt, job, job.cids, self.memory_mb)
+            return train_sequential(self.rt, job, job.cids)
+        if self.pool is None:
+            self.pool = WorkerPool(self.rt, min(self.workers, len(self.rt.data.index)))
+        try:
+            return self.pool.train(
+                job, lambda cid: float(self.rt.data.size(cid)), self.vectorized, self.memory_mb
+            )
+        except BaseException:  # failed or interrupted mid-round: the workers' tasks are abandoned
+            self.pool.close(terminate=True)
+            self.pool = None
+            raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -10,21 +10,18 @@ Stable public keys (ARCHITECTURE.md): ``seed``, ``rounds``, ``data.dataset``, ``
 from __future__ import annotations
 
 import copy
-import inspect
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedskew.errors import ConfigError, did_you_mean
+from fedskew.registry import check_options
+from fedskew.settings import ClientSection, EngineSection, EvalSection, Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class FrozenEncoderConfig(_Strict):
+class FrozenEncoderConfig(Strict):
     """A pre-trained encoder applied once to every image; only the model on top is trained."""
 
     name: str = Field("resnet18", description="encoder model registry name")
@@ -33,7 +30,7 @@ class FrozenEncoderConfig(_Strict):
     batch_size: int = Field(256, ge=1, description="encoding batch size")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     dataset: str = Field("digits", description="dataset registry name (`fedskew list`)")
     root: str | None = Field(None, description="data root; default $FEDSKEW_DATA, else ~/.cache/fedskew")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset loader options")
@@ -78,60 +75,11 @@ class AlgorithmConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
-class ClientSection(_Strict):
-    epochs: int = Field(1, ge=0, description="local epochs per round")
-    batch_size: int = Field(32, ge=1, description="local mini-batch size")
-    lr: float = Field(0.01, gt=0, description="local SGD learning rate")
-    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
-    fraction: float = Field(1.0, gt=0, le=1, description="share of clients sampled per round")
-    lr_decay: float = Field(
-        1.0, gt=0, le=1, description="round-t learning rate = lr · lr_decay^(t−1) (MP-FedCL: 0.95)"
-    )
-
-
-class EvalSection(_Strict):
-    protocol: Literal["global", "personalized"] = Field("global", description="evaluation protocol")
-    every: int = Field(1, ge=1, description="evaluate every k rounds (and always at the last round)")
-    batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="evaluation batch size (default: 128 on CPU, where a CNN's activations stay in cache, "
-        "1024 on a GPU); results do not depend on it",
-    )
-
-
-class EngineSection(_Strict):
-    mode: Literal["auto", "sequential", "vectorized"] = Field(
-        "auto",
-        description="client execution: sequential, vectorized (torch.func over the sampled clients), or "
-        "auto (vectorized for small dropout-free models at small batches, else workers if > 1, else "
-        "sequential)",
-    )
-    workers: int = Field(
-        1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
-    )
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
-    memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
-    memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
-        "auto",
-        description="tensor layout of 2-d convolutional models: channels_last (NHWC, faster on CPU), "
-        "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
-    )
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        if v.split(":")[0] not in ("cpu", "cuda", "mps"):
-            raise ValueError("allowed: cpu, cuda, cuda:N, mps")
-        return v
-
-
-class CheckpointSection(_Strict):
+class CheckpointSection(Strict):
     every: int = Field(5, ge=0, description="write a checkpoint every k rounds (0: only at the end)")
 
 
-class Config(_Strict):
+class Config(Strict):
     name: str | None = Field(None, description="free-form run name")
     seed: int = Field(0, description="seed: partition, initial model, sampling stream, batches")
     rounds: int = Field(20, ge=1, description="communication rounds")
@@ -195,26 +143,8 @@ def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
 
 #: partitioner arguments the engine fills in itself; a config may not set them
 _PARTITION_RESERVED = frozenset({"num_classes", "domains"})
-
-
-def _validate_callable_options(
-    fn: Any, options: dict[str, Any], where: str, skip: int = 0, reserved: frozenset[str] = frozenset()
-) -> None:
-    """Reject options that the keyword-only signature of ``fn`` does not accept (with did-you-mean)."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    allowed = [
-        n
-        for n, p in list(sig.parameters.items())[skip:]
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n not in reserved
-    ]
-    for key in options:
-        if key not in allowed:
-            raise ConfigError(
-                f"config key '{where}.{key}': unknown option{did_you_mean(key, allowed)}; "
-                f"allowed: {', '.join(allowed) or '(none)'}"
-            )
+#: the subject of an unknown-option error under a config section
+_UNKNOWN = "config key '{where}.{{key}}': unknown option"
 
 
 def validate_semantics(cfg: Config) -> None:
@@ -233,13 +163,13 @@ def validate_semantics(cfg: Config) -> None:
             f"config key 'data.partition.name' is required; valid: {', '.join(PARTITIONERS.names())}"
         )
     scheme = PARTITIONERS.get(part.pop("name"))
-    _validate_callable_options(scheme, part, "data.partition", skip=3, reserved=_PARTITION_RESERVED)
-    _validate_callable_options(DATASETS.get(cfg.data.dataset), cfg.data.options, "data.options", skip=1)
+    check_options(scheme, part, _UNKNOWN.format(where="data.partition"), 3, _PARTITION_RESERVED)
+    check_options(DATASETS.get(cfg.data.dataset), cfg.data.options, _UNKNOWN.format(where="data.options"), 1)
     model_fn = MODELS.get(cfg.model.name)
-    _validate_callable_options(model_fn, cfg.model.options(), "model", skip=2)
+    check_options(model_fn, cfg.model.options(), _UNKNOWN.format(where="model"), 2)
     for rng, opts in cfg.model.per_client.items():
         parse_client_range(rng)
-        _validate_callable_options(model_fn, opts, f"model.per_client.{rng}", skip=2)
+        check_options(model_fn, opts, _UNKNOWN.format(where=f"model.per_client.{rng}"), 2)
     alg = ALGORITHMS.get(cfg.algorithm.name)
     try:
         alg.Params(**cfg.algorithm.hyper())

@@ -20,10 +20,10 @@ import torch
 import yaml
 
 import fedskew
-from fedskew.algorithms.base import ALGORITHMS, ClientConfig
+from fedskew.algorithms.base import ALGORITHMS
 from fedskew.data.base import DATASETS
 from fedskew.data.federated import FederatedData, build_federated
-from fedskew.engine.loop import EvalSettings, Simulation
+from fedskew.engine.loop import Simulation
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import Config, dump_config, parse_client_range
 from fedskew.models.base import MODELS
@@ -85,7 +85,7 @@ def model_options(cfg: Config) -> Callable[[int | None], dict[str, Any]]:
 
 def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulation:
     """Everything a run needs, from a validated config."""
-    device = resolve_device(cfg.engine.device)
+    resolve_device(cfg.engine.device)
     data = data if data is not None else build_data(cfg)
     ds = data.dataset
     factory = MODELS.get(cfg.model.name)
@@ -97,15 +97,11 @@ def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulati
         params=alg_cls.Params(**cfg.algorithm.hyper()),
         build_model=lambda cid: factory(ds.in_shape, ds.num_classes, **options_for(cid)),
         arch_key=lambda cid: repr(sorted(options_for(cid).items())),
-        client=ClientConfig(**cfg.client.model_dump()),
-        evaluation=EvalSettings(**cfg.eval.model_dump()),
+        client=cfg.client,
+        evaluation=cfg.eval,
+        engine=cfg.engine,
         rounds=cfg.rounds,
         seed=cfg.seed,
-        device=device,
-        workers=cfg.engine.workers,
-        mode=cfg.engine.mode,
-        memory_mb=cfg.engine.memory_mb,
-        memory_format=cfg.engine.memory_format,
     )
 
 

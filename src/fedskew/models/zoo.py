@@ -11,7 +11,6 @@ Parameter counts on the papers' inputs are pinned in ``tests/test_models.py`` an
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -21,8 +20,9 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationError, validate_call
 from torch import Tensor, nn
 
-from fedskew.errors import ConfigError, did_you_mean
+from fedskew.errors import ConfigError
 from fedskew.models.base import MODELS, FedModel
+from fedskew.registry import check_options
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -40,16 +40,10 @@ def _model(name: str) -> Callable[[Callable[..., FedModel]], Callable[..., FedMo
 
     def deco(fn: Callable[..., FedModel]) -> Callable[..., FedModel]:
         checked = validate_call(fn)
-        allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
         @functools.wraps(fn)
         def factory(in_shape: tuple[int, ...], num_classes: int, **options: Any) -> FedModel:
-            for key in options:
-                if key not in allowed:
-                    raise ConfigError(
-                        f"model '{name}': unknown option '{key}'{did_you_mean(key, allowed)}; "
-                        f"allowed: {', '.join(allowed) or '(none)'}"
-                    )
+            check_options(fn, options, f"model '{name}': unknown option '{{key}}'", skip=2)
             try:
                 return checked(tuple(in_shape), num_classes, **options)
             except ValidationError as err:

@@ -1,0 +1,92 @@
+"""The client side of a run, fixed for its whole length: data placement, model instances, the algorithm.
+
+A :class:`ClientRuntime` is everything :func:`fedskew.engine.client.train_client` needs besides a round's
+payload and a client's state. The embedded engine builds one per run (forked worker processes inherit it);
+a Flower ClientApp builds the same one from the same config on its node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from fedskew.algorithms.base import Algorithm, ClientView, State
+from fedskew.engine.types import tree_to
+from fedskew.seeding import derive_seed
+from fedskew.settings import ClientSection
+
+INIT_KEY = 0xC0FFEE  # seed key of the initial model
+
+
+@dataclass
+class ClientData:
+    """Training tensors on the training device (normalised once) and clients as index views."""
+
+    x: Tensor
+    y: Tensor
+    index: list[Tensor]
+    class_counts: Tensor  # [N, C] (CPU)
+
+    def view(self, cid: int) -> ClientView:
+        idx = self.index[cid]
+        return ClientView(cid=cid, x=self.x[idx], y=self.y[idx], class_counts=self.class_counts[cid])
+
+    def size(self, cid: int) -> int:
+        return int(self.index[cid].numel())
+
+
+@dataclass
+class ModelCache:
+    """Builds models on the device in the engine's memory layout and keeps one instance per architecture.
+
+    ``prepare`` (the algorithm's :meth:`~fedskew.algorithms.base.Algorithm.prepare_model`) is applied to every
+    model built, so the global model, clients' models and algorithms' reference models agree.
+    """
+
+    factory: Callable[[int | None], nn.Module]
+    arch_key: Callable[[int | None], Hashable]
+    device: torch.device
+    memory_format: str  # "contiguous" | "channels_last" (resolved, see fedskew.engine.modes)
+    seed: int
+    prepare: Callable[[nn.Module], nn.Module] = lambda m: m
+    _instances: dict[Hashable, nn.Module] = field(default_factory=dict)
+
+    def build(self, cid: int | None) -> nn.Module:
+        """A new model for ``cid`` on the device, in the engine's memory format (values unchanged)."""
+        model = self.factory(cid).to(self.device)
+        if self.memory_format == "channels_last" and any(isinstance(m, nn.Conv2d) for m in model.modules()):
+            model = model.to(memory_format=torch.channels_last)
+        return self.prepare(model)
+
+    def initial(self, cid: int | None) -> nn.Module:
+        """A new model of ``cid``'s architecture with the run's initial weights: built from the seed of the
+        global initial model, so a client whose architecture matches starts from exactly that model."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, INIT_KEY))
+            return self.build(cid)
+
+    def model_for(self, cid: int | None) -> nn.Module:
+        """The reusable working instance of ``cid``'s architecture (built once; the engine loads weights)."""
+        key = self.arch_key(cid)
+        if key not in self._instances:
+            self._instances[key] = self.build(cid)
+        return self._instances[key]
+
+
+@dataclass
+class ClientRuntime:
+    """The algorithm, the clients' data and models, the local-training settings and the run's seed."""
+
+    algorithm: Algorithm
+    data: ClientData
+    models: ModelCache
+    client: ClientSection
+    seed: int
+    device: torch.device
+
+    def initial_state(self, cid: int) -> State:
+        """The client's state before its first round, on CPU (from the algorithm's context alone)."""
+        return tree_to(self.algorithm.init_client(cid), "cpu")

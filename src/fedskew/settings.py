@@ -1,0 +1,67 @@
+"""The run settings every layer reads: the validated ``client``, ``eval`` and ``engine`` config sections.
+
+They live here, below every layer, so that algorithms (which read ``client``), the engine and the experiment
+config share one definition: the engine reads the sections pydantic validated, nothing is copied into a
+second type.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    """A config section: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ClientSection(Strict):
+    epochs: int = Field(1, ge=0, description="local epochs per round")
+    batch_size: int = Field(32, ge=1, description="local mini-batch size")
+    lr: float = Field(0.01, gt=0, description="local SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
+    fraction: float = Field(1.0, gt=0, le=1, description="share of clients sampled per round")
+    lr_decay: float = Field(
+        1.0, gt=0, le=1, description="round-t learning rate = lr · lr_decay^(t−1) (MP-FedCL: 0.95)"
+    )
+
+
+class EvalSection(Strict):
+    protocol: Literal["global", "personalized"] = Field("global", description="evaluation protocol")
+    every: int = Field(1, ge=1, description="evaluate every k rounds (and always at the last round)")
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="evaluation batch size (default: 128 on CPU, where a CNN's activations stay in cache, "
+        "1024 on a GPU); results do not depend on it",
+    )
+
+
+class EngineSection(Strict):
+    mode: Literal["auto", "sequential", "vectorized"] = Field(
+        "auto",
+        description="client execution: sequential, vectorized (torch.func over the sampled clients), or "
+        "auto (vectorized for small dropout-free models at small batches, else workers if > 1, else "
+        "sequential)",
+    )
+    workers: int = Field(
+        1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
+    )
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
+    memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
+        "auto",
+        description="tensor layout of 2-d convolutional models: channels_last (NHWC, faster on CPU), "
+        "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ValueError("allowed: cpu, cuda, cuda:N, mps")
+        return v
