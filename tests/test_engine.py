@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from fedskew.algorithms.base import ALGORITHMS, Algorithm
+from fedskew.algorithms.base import ALGORITHMS, Algorithm, load_state
 from fedskew.engine.sampling import derive_seed, sampling_schedule
 from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.experiment.runner import build_data, build_simulation, run_experiment
 from fedskew.models.base import count_parameters
 from tests.conftest import digits_config
 
@@ -41,18 +41,19 @@ def test_sampling_schedule_is_paired_and_uniform():
 def test_fedavg_bytes_and_record_fields():
     cfg = build_config(digits_config(rounds=2))
     summary = run_experiment(cfg)
-    sim_model_bytes = 4 * count_parameters(build_simulation(cfg).model_for(None))
+    model_bytes = 4 * count_parameters(build_simulation(cfg).runtime.models.model_for(None))
     # every client downloads and uploads the full model once per round (no buffers in the MLP)
-    assert summary["bytes_down"] == 2 * 5 * sim_model_bytes
+    assert summary["bytes_down"] == 2 * 5 * model_bytes
     assert summary["bytes_up"] == summary["bytes_down"]
-    assert 0.0 <= summary["final"]["accuracy"] <= 1.0
+    assert summary["final"]["accuracy"] > 0.2  # learnt something over chance (0.1) in 2 rounds
 
 
 def test_same_seed_same_metrics_and_partition_shared_by_algorithms():
     cfg = build_config(digits_config(rounds=2, checkpoint={"every": 0}))
-    s1 = build_simulation(cfg)
-    s2 = build_simulation(build_config(digits_config(rounds=2, algorithm={"name": "fedprox", "mu": 0.1})))
-    assert all(torch.equal(a, b) for a, b in zip(s1.data.train_idx, s2.data.train_idx, strict=True))
+    other = build_config(digits_config(rounds=2, algorithm={"name": "fedprox", "mu": 0.1}))
+    d1, d2 = build_data(cfg), build_data(other)
+    assert all(torch.equal(a, b) for a, b in zip(d1.train_idx, d2.train_idx, strict=True))
+    s1, s2 = build_simulation(cfg, d1), build_simulation(other, d2)
     w1, w2 = s1.server["weights"], s2.server["weights"]
     assert all(torch.equal(w1[k], w2[k]) for k in w1)  # identical initial model
     r1 = [s1.run_round().record for _ in range(2)]
@@ -65,15 +66,11 @@ def test_same_seed_same_metrics_and_partition_shared_by_algorithms():
 class _NaNOnClientZero(Algorithm):
     """Test-only algorithm: client 0 produces a non-finite loss."""
 
-    name = "_nan_client0"
+    def init_scratch(self, model, payload, state, client, info):
+        return {"poison": torch.tensor(float("nan") if client.cid == 0 else 1.0)}
 
     def local_loss(self, model, batch, payload, state, scratch):
-        loss = F.cross_entropy(model(batch.x), batch.y)
-        return loss * float("nan") if self._cid == 0 else loss
-
-    def start_local(self, model, payload, state, client):
-        self._cid = client.cid
-        return super().start_local(model, payload, state, client)
+        return F.cross_entropy(model(batch.x), batch.y) * scratch["poison"]
 
 
 def test_non_finite_update_is_rejected_and_round_continues():
@@ -91,16 +88,19 @@ def test_non_finite_update_is_rejected_and_round_continues():
 
 def test_personalized_evaluation_matches_direct_computation():
     cfg = build_config(digits_config(rounds=1, eval={"protocol": "personalized", "every": 1}))
-    sim = build_simulation(cfg)
+    data = build_data(cfg)
+    sim = build_simulation(cfg, data)
     rec = sim.run_round().record
-    model = sim.model_for(None)
-    sim.algorithm.load_eval(model, sim.algorithm.broadcast(sim.server, None), None)
+    model = build_simulation(cfg, data).runtime.models.model_for(None)  # a second instance
+    load_state(model, sim.server["weights"])
     model.eval()
     accs = []
+    ds = data.dataset
     with torch.no_grad():
-        for idx in sim.test_idx:
-            x = sim.data.dataset.to_float(sim.x_test[idx])
-            accs.append(float((model(x).argmax(1) == sim.y_test[idx]).double().mean()))
+        for idx in data.test_idx:
+            accs.append(
+                float((model(ds.to_float(ds.x_test[idx])).argmax(1) == ds.y_test[idx]).double().mean())
+            )
     assert rec["accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-9)
     assert rec["accuracy_std"] == pytest.approx(float(np.std(accs)), abs=1e-9)
     assert rec["accuracy_clients"] == pytest.approx(accs, abs=1e-6)
@@ -245,7 +245,7 @@ def test_checkpoint_is_atomic_and_loadable(tmp_path):
     run_experiment(cfg, tmp_path / "r")
     files = sorted(p.name for p in (tmp_path / "r").iterdir())
     assert files == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "summary.json"]
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)  # no pickled code
     assert ck["round"] == 2 and len(ck["history"]) == 2
     assert Path(tmp_path / "r" / "config.yaml").read_text().startswith("name:")
 

@@ -7,10 +7,26 @@ import pytest
 import torch
 
 from fedskew.algorithms.fedavg import FedAvg
-from fedskew.engine import loop
+from fedskew.engine import modes
+from fedskew.engine.evaluation import EVAL_BATCH
+from fedskew.engine.loop import Simulation
+from fedskew.engine.types import ClientOutcome, RoundJob
+from fedskew.engine.workers import WorkerExecutor
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from tests.conftest import digits_config
+
+
+def model_of(sim: Simulation, cid: int = 0) -> torch.nn.Module:
+    return sim.runtime.models.model_for(cid)
+
+
+def first_round_outcomes(sim: Simulation) -> list[ClientOutcome]:
+    """The first round's client outcomes through the simulation's own executor, nothing committed."""
+    cids = sim.schedule[0].tolist()
+    if sim.executor is None:
+        sim.executor = modes.make_executor(sim.runtime, sim.engine, cids)
+    return sim.executor.train(RoundJob(1, cids, sim.server, {c: sim.client_state(c) for c in cids}))
 
 
 def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequential", **client) -> dict:
@@ -26,26 +42,6 @@ def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequenti
     return cfg
 
 
-@pytest.mark.parametrize("alg", ["fedavg", "fedprox", "feddyn", "scaffold", "moon", "fedproto"])
-def test_workers_match_the_sequential_loop(tmp_path, alg):
-    seq = build_simulation(build_config(worker_config(alg, 1)))
-    par = build_simulation(build_config(worker_config(alg, 2)))
-    try:
-        for _ in range(2):
-            a, b = seq.run_round().record, par.run_round().record
-            assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
-        assert par._pool is not None and len(par._pool.procs) == 2  # really ran in workers
-        for key, value in seq.server.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.allclose(value, par.server[key], rtol=1e-5, atol=1e-7)
-        assert seq.client_states.keys() == par.client_states.keys()
-    finally:
-        par.close()
-    assert par._pool is None
-
-
 def test_worker_errors_reach_the_parent(tmp_path, monkeypatch):
     def boom(self, model, batch, payload, state, scratch):
         raise ValueError("broken loss")
@@ -57,53 +53,31 @@ def test_worker_errors_reach_the_parent(tmp_path, monkeypatch):
 
 def test_unsupported_device_falls_back_in_process(monkeypatch, caplog):
     sim = build_simulation(build_config(worker_config("fedavg", 2, rounds=1)))
-    monkeypatch.setattr(loop, "pool_supported", lambda s: "engine.workers > 1 needs engine.device=cpu")
+    monkeypatch.setattr(modes, "pool_supported", lambda device: "engine.workers > 1 needs engine.device=cpu")
     with caplog.at_level("INFO", logger="fedskew.engine"):
         sim.run_round()
-    assert sim._pool is None and sim._resolved == "sequential"
+    assert sim.executor.name == "sequential"
     assert "needs engine.device=cpu" in caplog.text
 
 
-@pytest.mark.parametrize(
-    "alg", ["fedavg", "fedprox", "feddyn", "scaffold", "fedadam", "fedproto", "fedent", "fedcos", "local"]
-)
-def test_vectorized_matches_the_sequential_loop(alg, caplog):
-    # ragged clients (Dirichlet sizes, a short last batch), 2 epochs, momentum and weight decay
-    opts = {"epochs": 2, "batch_size": 16, "weight_decay": 1e-3}
-    seq = build_simulation(build_config(worker_config(alg, 1, **opts)))
-    vec = build_simulation(build_config(worker_config(alg, 1, mode="vectorized", **opts)))
-    for _ in range(2):
-        a = seq.run_round().record
-        with caplog.at_level("WARNING", logger="fedskew.engine"):
-            b = vec.run_round().record
-        for key in ("accuracy", "loss", "train_loss"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5)
-    assert vec._resolved == "vectorized" and "sequentially" not in caplog.text  # no silent fallback
-    for key, value in seq.server.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.allclose(value, vec.server[key], rtol=1e-5, atol=1e-6)
-
-
 def test_vectorized_steps_each_client_at_its_own_learning_rate(monkeypatch, caplog):
-    from fedskew.algorithms.base import Phase
+    from fedskew.algorithms.base import LocalPlan, Phase
 
-    def start_local(self, model, payload, state, client):  # FedEnt-style per-client rates: 1x, 2x, 3x
-        self.load_model(model, payload, state)
-        return [Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr * (1 + client.cid % 3))]
+    def start_local(self, model, payload, state, client, info):  # FedEnt-style per-client rates: 1x, 2x, 3x
+        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr * (1 + client.cid % 3))], state)
 
     monkeypatch.setattr(FedAvg, "start_local", start_local)
     opts = {"epochs": 2, "batch_size": 16, "fraction": 1.0}
     seq = build_simulation(build_config(worker_config("fedavg", 1, **opts)))
     vec = build_simulation(build_config(worker_config("fedavg", 1, mode="vectorized", **opts)))
-    r = seq.round + 1
-    a = {o.cid: o for o in seq._train_clients(seq.schedule[0].tolist(), r)}
+    a = {o.cid: o for o in first_round_outcomes(seq)}
     with caplog.at_level("WARNING", logger="fedskew.engine"):
-        b = {o.cid: o for o in vec._train_clients(vec.schedule[0].tolist(), r)}
-    assert vec._resolved == "vectorized" and "sequentially" not in caplog.text  # really vmapped
+        b = {o.cid: o for o in first_round_outcomes(vec)}
+    assert vec.executor.name == "vectorized" and "sequentially" not in caplog.text  # really vmapped
     assert len({a[c].loss for c in a}) > 1
     for cid, out in a.items():
-        for key, t in out.upload.payload.tensors.items():
-            assert torch.allclose(t, b[cid].upload.payload.tensors[key], rtol=1e-5, atol=1e-6), (cid, key)
+        for key, t in out.upload.payload.arrays.items():
+            assert torch.allclose(t, b[cid].upload.payload.arrays[key], rtol=1e-5, atol=1e-6), (cid, key)
 
 
 @pytest.mark.parametrize("alg", ["fedavg", "fedproto"])
@@ -116,7 +90,7 @@ def test_vectorized_groups_in_workers_match_the_sequential_loop(alg):
             a, b = seq.run_round().record, vec.run_round().record
             for key in ("accuracy", "loss", "train_loss"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5)
-        assert vec._resolved == "vectorized+workers" and vec._pool is not None
+        assert vec.executor.name == "vectorized+workers" and vec.executor.processes == 2
     finally:
         vec.close()
 
@@ -136,7 +110,7 @@ def test_vectorized_falls_back_for_stateful_losses(alg, caplog):
     with caplog.at_level("WARNING", logger="fedskew.engine"):
         sim = build_simulation(build_config(worker_config(alg, 1, rounds=1, mode="vectorized")))
         sim.run_round()
-    assert sim._resolved == "sequential" and f"{alg}'s local loss" in caplog.text
+    assert sim.executor.name == "sequential" and f"{alg}'s local loss" in caplog.text
 
 
 def test_vectorized_refuses_batchnorm_running_statistics(caplog):
@@ -146,7 +120,7 @@ def test_vectorized_refuses_batchnorm_running_statistics(caplog):
     with caplog.at_level("WARNING", logger="fedskew.engine"):
         sim = build_simulation(build_config(cfg))
         sim.run_round()
-    assert sim._resolved == "sequential" and "BatchNorm" in caplog.text
+    assert sim.executor.name == "sequential" and "BatchNorm" in caplog.text
 
 
 def test_auto_vectorizes_small_dropout_free_models_only():
@@ -154,43 +128,49 @@ def test_auto_vectorizes_small_dropout_free_models_only():
     small["model"] = {"name": "cnn_fedproto", "padding": 2, "dropout": 0.0}  # 21.8k parameters
     sim = build_simulation(build_config(small))
     sim.run_round()
-    assert sim._resolved == "vectorized"
+    assert sim.executor.name == "vectorized"
     dropout = dict(small, model={"name": "cnn_fedproto", "padding": 2})
     sim = build_simulation(build_config(dropout))
     sim.run_round()
-    assert sim._resolved == "sequential"  # vmap's dropout stream would change the numbers
+    assert sim.executor.name == "sequential"  # vmap's dropout stream would change the numbers
     large = worker_config("fedavg", 2, rounds=1, mode="auto", epochs=2)  # 430k params, 240 x 2
     sim = build_simulation(build_config(large))
     try:
         sim.run_round()
-        assert sim._resolved == "workers"
+        assert sim.executor.name == "workers"
     finally:
         sim.close()
     tiny = worker_config("fedavg", 2, rounds=1, mode="auto")  # ~120 samples x 1 epoch per client
     tiny["data"]["num_clients"] = 12
     sim = build_simulation(build_config(tiny))
     sim.run_round()
-    assert sim._resolved == "sequential"  # shipping a task would cost more than running it
+    assert sim.executor.name == "sequential"  # shipping a task would cost more than running it
 
 
-def test_largest_clients_go_out_first(monkeypatch):
+class _OrderSpy(dict):
+    """Client states that record the order in which a worker pool reads them (one read per task)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.order: list[int] = []
+
+    def __getitem__(self, cid):
+        self.order.append(cid)
+        return super().__getitem__(cid)
+
+
+def test_largest_clients_go_out_first():
     sim = build_simulation(build_config(worker_config("fedavg", 2, rounds=1)))
-    sent: list[int] = []
-    real_state = sim.client_state
-
-    def spy(cid):
-        sent.append(cid)
-        return real_state(cid)
-
-    monkeypatch.setattr(sim, "client_state", spy)
+    cids = sim.schedule[0].tolist()
+    states = _OrderSpy({cid: sim.client_state(cid) for cid in cids})
+    executor = WorkerExecutor(sim.runtime, workers=2, vectorized=False, memory_mb=1024.0)
     try:
-        cids = sim.schedule[0].tolist()
-        sim._train_clients(cids, 1)
-        sizes = [sim.train_idx[c].numel() for c in sent[:2]]
-        others = [sim.train_idx[c].numel() for c in cids if c not in sent[:2]]
-        assert min(sizes) >= max(others)  # the first two tasks are the two largest clients
+        executor.train(RoundJob(1, cids, sim.server, states))
     finally:
-        sim.close()
+        executor.close()
+    size = sim.runtime.data.size
+    first, rest = states.order[:2], [c for c in cids if c not in states.order[:2]]
+    assert min(size(c) for c in first) >= max(size(c) for c in rest)  # the two largest clients first
 
 
 def test_vectorized_chunks_under_a_memory_budget_give_the_same_round():
@@ -199,7 +179,7 @@ def test_vectorized_chunks_under_a_memory_budget_give_the_same_round():
     cfg = worker_config("fedprox", 1, rounds=1, mode="vectorized")
     cfg["engine"]["memory_mb"] = 1.0  # below one client of the 430k-parameter MLP: one client per chunk
     small = build_simulation(build_config(cfg))
-    size = chunk_size(small.model_for(0), small.x_train, 32, 1.0)
+    size = chunk_size(small.runtime.models.model_for(0), small.runtime.data.x, 32, 1.0)
     assert 1 <= size < len(small.schedule[0])  # really split into several chunks
     whole = build_simulation(build_config(worker_config("fedprox", 1, rounds=1, mode="vectorized")))
     a, b = small.run_round().record, whole.run_round().record
@@ -222,7 +202,7 @@ def test_memory_format_auto_uses_channels_last_for_cpu_convolutions_and_changes_
     nhwc = build_simulation(build_config(conv_config("auto")))
     nchw = build_simulation(build_config(conv_config("contiguous")))
     par = build_simulation(build_config(conv_config("auto", workers=2)))
-    assert _is_channels_last(nhwc.model_for(0)) and not _is_channels_last(nchw.model_for(0))
+    assert _is_channels_last(model_of(nhwc)) and not _is_channels_last(model_of(nchw))
     try:
         for _ in range(2):
             a, b, c = nhwc.run_round().record, nchw.run_round().record, par.run_round().record
@@ -233,24 +213,24 @@ def test_memory_format_auto_uses_channels_last_for_cpu_convolutions_and_changes_
     finally:
         par.close()
     vec = build_simulation(build_config(conv_config("auto", mode="vectorized")))
-    assert not _is_channels_last(vec.model_for(0))  # vmap stacks the weights: left in NCHW
+    assert not _is_channels_last(model_of(vec))  # vmap stacks the weights: left in NCHW
     # NCHW sequential and vectorized agree to 1e-5 on a (dropout-free) convolutional model
     seq_cfg, vec_cfg = conv_config("contiguous"), conv_config("auto", mode="vectorized")
     for cfg in (seq_cfg, vec_cfg):
         cfg["model"]["dropout"] = 0.0
     seq, vec = build_simulation(build_config(seq_cfg)), build_simulation(build_config(vec_cfg))
     a, b = seq.run_round().record, vec.run_round().record
-    assert vec._resolved == "vectorized"
+    assert vec.executor.name == "vectorized"
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == b["accuracy"]
     mlp = build_simulation(build_config(worker_config("fedavg", 1)))
-    assert mlp.memory_format == "auto" and not any(p.dim() == 4 for p in mlp.model_for(0).parameters())
+    assert not any(p.dim() == 4 for p in model_of(mlp).parameters())
     with pytest.raises(Exception, match="memory_format"):
         build_config(conv_config("nhwc"))
 
 
 def test_evaluation_batch_defaults_by_device_and_does_not_change_metrics():
     sim = build_simulation(build_config(worker_config("fedavg", 1, rounds=1)))
-    assert sim.eval.batch_size == loop.EVAL_BATCH["cpu"]
+    assert sim.evaluator.batch_size == EVAL_BATCH["cpu"]
     cfg = worker_config("fedavg", 1, rounds=1)
     cfg["eval"] = {"batch_size": 7}
     odd = build_simulation(build_config(cfg))

@@ -42,7 +42,12 @@ def case_config(name: str) -> dict[str, Any]:
     if _personal(alg):
         cfg["eval"] = {"protocol": "personalized", "every": 1}
     if name == "moon-hetero":  # same shapes, different forward passes (averaging needs equal shapes)
-        cfg["model"] = {"name": "mlp_mpfedcl", "hidden": 64, "embed_dim": 32, "per_client": {"0-2": {"normalize": True}}}
+        cfg["model"] = {
+            "name": "mlp_mpfedcl",
+            "hidden": 64,
+            "embed_dim": 32,
+            "per_client": {"0-2": {"normalize": True}},
+        }
     elif name.endswith("-hetero"):  # heterogeneous models: three hidden widths
         cfg["model"] = {
             "name": "mlp_mpfedcl",

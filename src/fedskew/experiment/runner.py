@@ -176,7 +176,7 @@ def prepare_output(out: Path, cfg: Config, resume: bool, force: bool) -> dict[st
                 raise FedskewError(f"--resume: config differs from the one saved in '{saved}'")
         ckpt = out / CHECKPOINT_FILE
         if ckpt.is_file():
-            return torch.load(ckpt, map_location="cpu", weights_only=False)
+            return torch.load(ckpt, map_location="cpu", weights_only=True)
         return None
     if force:
         for name in (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_FILE):

@@ -1,0 +1,188 @@
+"""The algorithm contract, checked for every registered algorithm (a new one is covered without edits).
+
+For each algorithm on a tiny digits federation: a round runs and every upload is accepted; no hook mutates
+what it was handed (payload, server state, client state, uploads, the model's structure); a run interrupted
+after a checkpoint and resumed gives the uninterrupted metrics exactly; every engine mode the algorithm
+qualifies for gives the sequential numbers; and algorithms that declare heterogeneous models train with
+clients of different architectures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedskew.algorithms import ALGORITHMS
+from fedskew.algorithms.base import RoundInfo
+from fedskew.engine.client import train_client
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_simulation, run_experiment
+from tests.conftest import digits_config
+
+#: test-only algorithms registered by other tests start with "_"
+NAMES = [n for n in ALGORITHMS.names() if not n.startswith("_")]
+TIMING = ("seconds",)
+
+
+def tiny_config(name: str, rounds: int = 2, **engine: Any) -> dict:
+    alg = ALGORITHMS.get(name)
+    cfg = digits_config(
+        rounds=rounds,
+        algorithm={"name": name},
+        data={"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}},
+        model={"name": "mlp_mpfedcl", "hidden": 32, "embed_dim": 16},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5, "fraction": 0.67},
+        engine={"mode": "sequential", "workers": 1, **engine},
+        checkpoint={"every": 1},
+    )
+    if alg.personalized_eval:
+        cfg["eval"] = {"protocol": "personalized", "every": 1}
+    if name == "fedrep":  # keep the head phase short
+        cfg["algorithm"]["head_epochs"] = 1
+    return cfg
+
+
+def fingerprint(obj: Any) -> str:
+    """A hash of a nested structure of tensors and plain values (contents, dtypes and shapes)."""
+    h = hashlib.sha256()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            h.update(b"{")
+            for k in sorted(o, key=repr):
+                h.update(repr(k).encode())
+                walk(o[k])
+            h.update(b"}")
+        elif isinstance(o, (list, tuple)):
+            h.update(b"[")
+            for v in o:
+                walk(v)
+            h.update(b"]")
+        elif hasattr(o, "__dataclass_fields__"):
+            walk({k: getattr(o, k) for k in o.__dataclass_fields__})
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def metrics_of(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(TIMING)} for x in lines]
+
+
+def test_the_suite_covers_the_whole_registry():
+    assert NAMES and set(NAMES) == {n for n in ALGORITHMS.names() if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_round_runs_and_every_upload_is_accepted(name):
+    sim = build_simulation(build_config(tiny_config(name, rounds=1)))
+    record = sim.run_round().record
+    assert record is not None and record["round"] == 1 and sim.round == 1
+    assert record["rejected"] == 0
+    assert torch.isfinite(torch.tensor([record["accuracy"], record["loss"], record["train_loss"]])).all()
+    assert (
+        record["round_bytes_down"] == record["bytes_down"] and record["round_bytes_up"] == record["bytes_up"]
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hooks_do_not_mutate_their_inputs(name):
+    sim = build_simulation(build_config(tiny_config(name, rounds=2)))
+    sim.run_round()  # round 2 sees real prototypes, control variates, personal state ...
+    rt, alg, r = sim.runtime, sim.algorithm, 2
+    server_print = fingerprint(sim.server)
+    uploads = []
+    for cid in sim.schedule[r - 1].tolist():
+        state = sim.client_state(cid)
+        payload = alg.broadcast(sim.server, RoundInfo(r, cid, sim.seed))
+        before = fingerprint(payload), fingerprint(state)
+        names = [n for n, _ in rt.models.model_for(cid).named_parameters()]
+        outcome = train_client(rt, cid, r, payload, state)
+        assert (fingerprint(payload), fingerprint(state)) == before, f"{name} changed its payload or state"
+        assert [n for n, _ in rt.models.model_for(cid).named_parameters()] == names  # model structure
+        assert outcome.upload is not None and outcome.state is not None
+        uploads.append(outcome.upload)
+    upload_print = fingerprint(uploads)
+    new = alg.aggregate(sim.server, uploads, RoundInfo(r, None, sim.seed))
+    assert fingerprint(sim.server) == server_print, f"{name}.aggregate mutated the server state"
+    assert fingerprint(uploads) == upload_print, f"{name}.aggregate mutated the uploads"
+    assert new is not sim.server or name == "local"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_metrics(tmp_path, name):
+    cfg = build_config(tiny_config(name, rounds=3))
+    run_experiment(cfg, tmp_path / "whole")
+
+    def stop_after_two(sim, record):
+        if sim.round == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, tmp_path / "cut", on_round=stop_after_two)
+    assert len(metrics_of(tmp_path / "cut")) == 2
+    run_experiment(cfg, tmp_path / "cut", resume=True)
+    assert metrics_of(tmp_path / "cut") == metrics_of(tmp_path / "whole")
+
+
+def _qualifying_modes(name: str) -> list[tuple[str, dict]]:
+    modes = [("workers", {"workers": 2})]
+    if ALGORITHMS.get(name).vectorizable:
+        modes += [
+            ("vectorized", {"mode": "vectorized"}),
+            ("vectorized+workers", {"mode": "vectorized", "workers": 2}),
+        ]
+    return modes
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "engine"), [(n, m, e) for n in NAMES for m, e in _qualifying_modes(n)]
+)
+def test_every_engine_mode_gives_the_sequential_numbers(name, mode, engine, caplog):
+    seq = build_simulation(build_config(tiny_config(name)))
+    other = build_simulation(build_config(tiny_config(name, **engine)))
+    try:
+        with caplog.at_level("WARNING", logger="fedskew.engine"):
+            for _ in range(2):
+                a, b = seq.run_round().record, other.run_round().record
+                for key in ("accuracy", "loss", "train_loss"):
+                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (mode, key)
+        assert other.executor.name == mode and "sequentially" not in caplog.text  # no silent fallback
+        for key, value in seq.server.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                assert torch.allclose(value, other.server[key], rtol=1e-5, atol=1e-6), key
+    finally:
+        other.close()
+
+
+HETERO = [n for n in NAMES if ALGORITHMS.get(n).heterogeneous_models]
+
+
+@pytest.mark.parametrize("name", HETERO)
+def test_heterogeneous_models_train_together(name):
+    cfg = tiny_config(name, rounds=2)
+    cfg["model"]["per_client"] = {"0-1": {"hidden": 24}, "2-3": {"hidden": 40}}
+    sim = build_simulation(build_config(cfg))
+    shapes = {tuple(sim.runtime.models.model_for(c).state_dict()["body.1.weight"].shape) for c in (0, 2, 4)}
+    assert len(shapes) == 3  # three architectures really in play
+    for _ in range(2):
+        record = sim.run_round().record
+        assert record["rejected"] == 0
+    trained = [c for c in sim.client_states if "weights" in sim.client_states[c]]
+    assert trained and all(
+        sim.client_states[c]["weights"]["body.1.weight"].shape
+        == sim.runtime.models.model_for(c).state_dict()["body.1.weight"].shape
+        for c in trained
+    )
