@@ -117,7 +117,13 @@ def test_exported_indices_select_the_clients_rows(saved, tmp_path):
 def test_federated_round_on_a_hf_dataset(saved):
     root, _ = saved
     options = {"path": "tiny_hf", "image_column": "img", "label_column": "y"}
-    data = {"dataset": "hf", "root": str(root), "options": options, "num_clients": 2, "partition": {"name": "iid"}}
+    data = {
+        "dataset": "hf",
+        "root": str(root),
+        "options": options,
+        "num_clients": 2,
+        "partition": {"name": "iid"},
+    }
     cfg = build_config(
         {
             "seed": 1,

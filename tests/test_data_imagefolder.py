@@ -28,7 +28,9 @@ def pixels(label: int, i: int, side: int, grey: bool) -> np.ndarray:
     return (rng.integers(0, 60, shape) + 60 * label).astype(np.uint8)
 
 
-def make_folder(base: Path, *, grey: bool = False, per_class: tuple[int, int] = (4, 2), side: int = 10) -> dict:
+def make_folder(
+    base: Path, *, grey: bool = False, per_class: tuple[int, int] = (4, 2), side: int = 10
+) -> dict:
     """``base/{train,test}/<class>/<i>.png`` and return ``{(split, class, i): array}``."""
     made = {}
     for split, n in zip(("train", "test"), per_class, strict=True):
