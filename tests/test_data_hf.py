@@ -69,6 +69,8 @@ def test_parquet_files_and_array_columns(tmp_path):
     assert ds.x_train.shape == (12, 3, 9, 9) and ds.y_test.tolist() == [0, 1, 2, 0, 1, 2]
     assert np.array_equal(ds.x_train[3].permute(1, 2, 0).numpy(), pics[3])
     assert load(tmp_path, path="pq", size=5).in_shape == (3, 5, 5)
+    by_glob = load(tmp_path, path=str(tmp_path / "pq" / "*" / "*.parquet"))
+    assert torch.equal(by_glob.x_test, ds.x_test) and by_glob.class_names == NAMES
 
 
 def test_grey_pil_images_give_one_channel(tmp_path):

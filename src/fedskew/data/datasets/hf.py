@@ -10,6 +10,7 @@ Needs the optional extra: ``pip install 'fedskew[hf]'``.
 
 from __future__ import annotations
 
+import glob
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,22 +37,26 @@ def _hf() -> Any:
     return datasets
 
 
+def _is_glob(path: Path) -> bool:
+    return any(c in str(path) for c in "*?[")
+
+
 def _parquet_files(base: Path, split: str) -> list[str]:
-    """Parquet files of ``split``: ``<split>.parquet``, ``<split>-*.parquet`` or ``<split>/*.parquet``."""
-    if base.is_file():
-        return [str(base)] if split == "train" else []
-    found = {
-        *base.rglob(f"{split}.parquet"),
-        *base.rglob(f"{split}-*.parquet"),
-        *base.rglob(f"{split}/*.parquet"),
-    }
-    return sorted(str(p) for p in found)
+    """Parquet files of ``split`` under ``base`` (a folder or a glob): ``<split>.parquet``,
+    ``<split>-*.parquet`` (the Hub's ``data/train-00000-of-00001.parquet``) or ``<split>/*.parquet``."""
+    found = [Path(p) for p in glob.glob(str(base), recursive=True)] if _is_glob(base) else base.rglob("*")
+
+    def of_split(p: Path) -> bool:
+        named = p.stem == split or p.name.startswith(f"{split}-") or p.parent.name == split
+        return p.suffix == ".parquet" and named
+
+    return sorted(str(p) for p in found if of_split(p))
 
 
 def _open_splits(base: Path, splits: tuple[str, str], tmp: str) -> dict[str, Any]:
     """``{split: datasets.Dataset}`` for the train and test split names, read from disk only."""
     hf = _hf()
-    if (base / "dataset_dict.json").is_file() or (base / "state.json").is_file():
+    if not _is_glob(base) and ((base / "dataset_dict.json").is_file() or (base / "state.json").is_file()):
         loaded = hf.load_from_disk(str(base), keep_in_memory=True)
         table = loaded if isinstance(loaded, hf.DatasetDict) else {"train": loaded}
     else:
@@ -153,7 +158,7 @@ def hf(
     check_mode(mode, "hf")
     check_size(size, "hf")
     base = resolve(root, path, "path", "hf")
-    if not base.exists():
+    if not (base.exists() or _is_glob(base)):
         raise DataError(
             f"dataset 'hf': {base} not found (data.options.path: a save_to_disk folder or parquet files)"
         )
