@@ -73,7 +73,8 @@ def _split_entries(table: object, split_file: Path, parts: tuple[str, ...]) -> l
     except (KeyError, TypeError) as err:
         entries, missing = [], f"{type(err).__name__}: {err}"
     else:
-        missing = "" if all(isinstance(e, list) and len(e) == 3 for e in entries) else "entry not a triple"
+        ok = all(isinstance(e, list) and len(e) == 3 and isinstance(e[1], int) for e in entries)
+        missing = "" if ok else "an entry is not [relpath, integer label, classname]"
     if missing:
         raise DataError(
             f"{split_file}: not a CoOp split file ({missing}); expected "
