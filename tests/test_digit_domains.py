@@ -82,7 +82,7 @@ def test_mnist_and_mnist_m_from_real_mnist():
 
 
 def test_stratified_uses_a_small_class_whole_before_repeating():
-    from fedskew.data.digit_domains import _stratified
+    from fedskew.data.datasets.digit_domains import _stratified
 
     labels = torch.as_tensor(np.repeat(np.arange(10), 7))
     idx = _stratified(labels, 20, np.random.default_rng(0))

@@ -1,14 +1,17 @@
-"""Core data types: an in-memory :class:`Dataset` and the dataset / partitioner registries."""
+"""Core data types: the in-memory :class:`Dataset`, the dataset and partitioner registries, loading."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from fedskew.errors import ConfigError, did_you_mean
 from fedskew.registry import Registry
 
 #: name -> ``loader(root: Path, **options) -> Dataset``
@@ -57,6 +60,11 @@ class Dataset:
         """Shape of one sample, e.g. ``(1, 28, 28)``."""
         return tuple(self.x_train.shape[1:])
 
+    @property
+    def class_names(self) -> list[str]:
+        """Class names by label (``classes``, or the label numbers when the source names none)."""
+        return list(self.classes) if self.classes is not None else [str(c) for c in range(self.num_classes)]
+
     def to_float(self, x: Tensor) -> Tensor:
         """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``."""
         x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
@@ -71,3 +79,20 @@ class Dataset:
             f"Dataset({self.name!r}, train={tuple(self.x_train.shape)}, test={tuple(self.x_test.shape)}, "
             f"classes={self.num_classes})"
         )
+
+
+def load_dataset(name: str, root: str | os.PathLike | None = None, **options: Any) -> Dataset:
+    """Load a registered dataset by name from the data root (``root`` > ``$FEDSKEW_DATA`` > default).
+
+    Unknown names raise ``ConfigError`` listing the valid ones; unknown options list the allowed options.
+    """
+    loader = DATASETS.get(name)
+    params = list(inspect.signature(loader).parameters.values())[1:]
+    allowed = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for key in options:
+        if key not in allowed:
+            raise ConfigError(
+                f"dataset '{name}': unknown option '{key}'{did_you_mean(key, allowed)}; "
+                f"allowed: {', '.join(allowed) or '(none)'}"
+            )
+    return loader(resolve_root(root), **options)

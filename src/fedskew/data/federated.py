@@ -111,6 +111,39 @@ class FederatedData:
         )
 
 
+def _personal_tests(
+    dataset: Dataset,
+    labels: np.ndarray,
+    domains: np.ndarray | None,
+    parts: list[np.ndarray],
+    seed: int,
+    opts: dict[str, Any],
+) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """Per-client test splits (``data.test`` options checked first), matching the (domain, class) mix when
+    both splits carry domain tags."""
+    allowed = personal_test_options()
+    for key in opts:
+        if key not in allowed:
+            raise ConfigError(
+                f"config key 'data.test.{key}': unknown option{did_you_mean(key, allowed)}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+    test_domains = None if dataset.domain_test is None else dataset.domain_test.cpu().numpy()
+    if domains is None or test_domains is None:
+        train_domains, test_domains = None, None
+    else:
+        train_domains = [domains[p] for p in parts]
+    return client_test_split(
+        [labels[p] for p in parts],
+        dataset.y_test.cpu().numpy(),
+        child_seed(seed, _TEST_TAG),
+        num_classes=dataset.num_classes,
+        train_domains_per_client=train_domains,
+        test_domains=test_domains,
+        **opts,
+    )
+
+
 def build_federated(
     dataset: Dataset,
     num_clients: int,
@@ -150,29 +183,7 @@ def build_federated(
             "use fewer clients or a partition option such as min_size"
         )
 
-    opts = dict(test or {})
-    allowed = personal_test_options()
-    for key in opts:
-        if key not in allowed:
-            raise ConfigError(
-                f"config key 'data.test.{key}': unknown option{did_you_mean(key, allowed)}; "
-                f"allowed: {', '.join(allowed)}"
-            )
-    # match the (domain, class) mix when both splits carry domain tags
-    test_domains = None if dataset.domain_test is None else dataset.domain_test.cpu().numpy()
-    if domains is None or test_domains is None:
-        train_domains, test_domains = None, None
-    else:
-        train_domains = [domains[p] for p in parts]
-    test_parts, info = client_test_split(
-        [labels[p] for p in parts],
-        dataset.y_test.cpu().numpy(),
-        child_seed(seed, _TEST_TAG),
-        num_classes=dataset.num_classes,
-        train_domains_per_client=train_domains,
-        test_domains=test_domains,
-        **opts,
-    )
+    test_parts, info = _personal_tests(dataset, labels, domains, parts, seed, dict(test or {}))
     train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
 
     def tensors(arrays: list[np.ndarray]) -> list[Tensor]:

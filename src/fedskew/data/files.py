@@ -1,13 +1,12 @@
-"""The data root: which files each dataset expects, their official checksums, verification and download.
+"""The data root: the expected-files registry, checksum verification and download (generic helpers).
 
-Layout under the root (``data.root`` / ``$FEDSKEW_DATA`` / ``~/.cache/fedskew``) is the datasets' own
-distribution format, e.g. ``mnist/train-images-idx3-ubyte.gz`` or ``cifar-10-batches-py/data_batch_1``.
-
-Checksums are the MD5s the official sources publish (torchvision uses the same values). For the gzipped
-IDX files we also accept the MD5 of the *decompressed* payload: mirrors often re-compress the files (the
-gzip header then differs) while the data is byte-identical. Verification results are cached in a
-``.verified.json`` stamp next to the files (keyed by size + mtime), or in memory when the folder is
-read-only, so repeated loads never rehash.
+Each dataset module declares its files in :data:`FILES` (paths under the root in the datasets' own
+distribution format, e.g. ``mnist/train-images-idx3-ubyte.gz``, official checksums, sources); this module
+only knows how to check and fetch them. Checksums are the MD5s the official sources publish (torchvision
+uses the same values). For gzipped files we also accept the MD5 of the *decompressed* payload: mirrors
+often re-compress the files (the gzip header then differs) while the data is byte-identical. Verification
+results are cached in a ``.verified.json`` stamp next to the files (keyed by size + mtime), or in memory
+when the folder is read-only, so repeated loads never rehash.
 """
 
 from __future__ import annotations
@@ -86,144 +85,9 @@ class DatasetFiles:
         return self.archive is not None or (bool(self.files) and all(f.urls for f in self.files))
 
 
-def _idx_files(
-    folder: str, bases: Sequence[str], digests: dict[str, tuple[str, str]]
-) -> tuple[FileSpec, ...]:
-    return tuple(
-        FileSpec(f"{folder}/{name}", f"md5:{gz}", f"md5:{raw}", tuple(b + name for b in bases))
-        for name, (gz, raw) in digests.items()
-    )
-
-
-_MNIST_MIRRORS = ("http://yann.lecun.com/exdb/mnist/", "https://ossci-datasets.s3.amazonaws.com/mnist/")
-_FASHION_URL = ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",)
-_EMNIST = Archive(
-    "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",
-    "md5:58c8d27c78d21e728a6bc7b3cc06412e",
-    strip="gzip/",
-    into="emnist",
-)
-
-
-def _emnist(split: str) -> DatasetFiles:
-    names = [
-        f"emnist-{split}-{p}-{k}"
-        for p in ("train", "test")
-        for k in ("images-idx3-ubyte.gz", "labels-idx1-ubyte.gz")
-    ]
-    # NIST publishes a checksum only for the whole archive; extracted members are checked by parsing.
-    return DatasetFiles(
-        "emnist",
-        tuple(FileSpec(f"emnist/{n}") for n in names),
-        "https://www.nist.gov/itl/products-and-services/emnist-dataset",
-        _EMNIST,
-    )
-
-
-#: dataset registry name -> expected files (image-folder and LEAF datasets have no fixed file list).
-FILES: dict[str, DatasetFiles] = {
-    # (official .gz md5, decompressed payload md5); confirmed against ../shared/data, whose .gz files are
-    # re-compressed (different gzip bytes) but whose payloads match the published raw-file md5s.
-    "mnist": DatasetFiles(
-        "mnist",
-        _idx_files(
-            "mnist",
-            _MNIST_MIRRORS,
-            {
-                "train-images-idx3-ubyte.gz": (
-                    "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-                    "6bbc9ace898e44ae57da46a324031adb",
-                ),
-                "train-labels-idx1-ubyte.gz": (
-                    "d53e105ee54ea40749a09fcbcd1e9432",
-                    "a25bea736e30d166cdddb491f175f624",
-                ),
-                "t10k-images-idx3-ubyte.gz": (
-                    "9fb629c4189551a2d022fa330f9573f3",
-                    "2646ac647ad5339dbf082846283269ea",
-                ),
-                "t10k-labels-idx1-ubyte.gz": (
-                    "ec29112dd5afa0611ce80d1b7f02629c",
-                    "27ae3e4e09519cfbb04c329615203637",
-                ),
-            },
-        ),
-        "http://yann.lecun.com/exdb/mnist/",
-    ),
-    "fashion_mnist": DatasetFiles(
-        "fashion-mnist",
-        _idx_files(
-            "fashion-mnist",
-            _FASHION_URL,
-            {
-                "train-images-idx3-ubyte.gz": (
-                    "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
-                    "f4a8712d7a061bf5bd6d2ca38dc4d50a",
-                ),
-                "train-labels-idx1-ubyte.gz": (
-                    "25c81989df183df01b3e8a0aad5dffbe",
-                    "9018921c3c673c538a1fc5bad174d6f9",
-                ),
-                "t10k-images-idx3-ubyte.gz": (
-                    "bef4ecab320f06d8554ea6380940ec79",
-                    "8181f5470baa50b63fa0f6fddb340f0a",
-                ),
-                "t10k-labels-idx1-ubyte.gz": (
-                    "bb300cfdad3c16e7a12a480ee83cd310",
-                    "15d484375f8d13e6eb1aabb0c3f46965",
-                ),
-            },
-        ),
-        "https://github.com/zalandoresearch/fashion-mnist",
-    ),
-    "emnist_balanced": _emnist("balanced"),
-    "emnist_letters": _emnist("letters"),
-    "cifar10": DatasetFiles(
-        "cifar-10-batches-py",
-        tuple(
-            FileSpec(f"cifar-10-batches-py/{n}", f"md5:{d}")
-            for n, d in (
-                ("data_batch_1", "c99cafc152244af753f735de768cd75f"),
-                ("data_batch_2", "d4bba439e000b95fd0a9bffe97cbabec"),
-                ("data_batch_3", "54ebc095f3ab1f0389bbae665268c751"),
-                ("data_batch_4", "634d18415352ddfa80567beed471001a"),
-                ("data_batch_5", "482c414d41f54cd18b22e5b47cb7c3cb"),
-                ("test_batch", "40351d587109b95175f43aff81a1287e"),
-            )
-        ),
-        "https://www.cs.toronto.edu/~kriz/cifar.html",
-        Archive(
-            "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "md5:c58f30108f718f92721af3b95e74349a"
-        ),
-    ),
-    "cifar100": DatasetFiles(
-        "cifar-100-python",
-        (
-            FileSpec("cifar-100-python/train", "md5:16019d7e3df5f24257cddd939b257f8d"),
-            FileSpec("cifar-100-python/test", "md5:f0ef6b0ae62326f3e7ffdfab6717acfc"),
-        ),
-        "https://www.cs.toronto.edu/~kriz/cifar.html",
-        Archive(
-            "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "md5:eb9058c3a382ffc7106e4002c42a8d85"
-        ),
-    ),
-    "svhn": DatasetFiles(
-        "svhn",
-        (
-            FileSpec(
-                "svhn/train_32x32.mat",
-                "md5:e26dedcc434d2e4c54c9b2d4a06d8373",
-                urls=("http://ufldl.stanford.edu/housenumbers/train_32x32.mat",),
-            ),
-            FileSpec(
-                "svhn/test_32x32.mat",
-                "md5:eb5a983be6a315427106f1b164d9cef3",
-                urls=("http://ufldl.stanford.edu/housenumbers/test_32x32.mat",),
-            ),
-        ),
-        "http://ufldl.stanford.edu/housenumbers/",
-    ),
-}
+#: dataset registry name -> expected files; each dataset module adds its own entry (``FILES[name] = ...``).
+#: Image-folder, LEAF and Hugging Face datasets have no fixed file list.
+FILES: dict[str, DatasetFiles] = {}
 
 
 # --------------------------------------------------------------------------------------------- checksums
