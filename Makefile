@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test test-fast lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 tests
+
+# the edit loop: everything but the tests marked slow (subprocesses, end-to-end learning, mode parity)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

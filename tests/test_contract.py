@@ -121,6 +121,7 @@ def test_hooks_do_not_mutate_their_inputs(name):
     assert new is not sim.server or name == "local"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_resume_from_a_checkpoint_gives_the_uninterrupted_metrics(tmp_path, name):
     cfg = build_config(tiny_config(name, rounds=3))
@@ -150,6 +151,7 @@ def _qualifying_modes(name: str) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize(
     ("name", "mode", "engine"), [(n, m, e) for n in NAMES for m, e in _qualifying_modes(n)]
 )
+@pytest.mark.slow
 def test_every_engine_mode_gives_the_sequential_numbers(name, mode, engine, caplog):
     seq = build_simulation(build_config(tiny_config(name)))
     other = build_simulation(build_config(tiny_config(name, **engine)))

@@ -157,6 +157,7 @@ def _start_run(
     return proc, cmd, env
 
 
+@pytest.mark.slow
 def test_resume_after_kill_gives_the_same_metrics(tmp_path):
     """Kill a real `fedskew run` process mid-way, resume it, compare with an uninterrupted run."""
     cfg = digits_config(rounds=8, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
@@ -179,6 +180,7 @@ def test_resume_after_kill_gives_the_same_metrics(tmp_path):
     assert s1["final"] == s2["final"] and s1["bytes_up"] == s2["bytes_up"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_workers_exits_130_stops_them_and_resumes_to_the_same_metrics(tmp_path):
     """Ctrl-C (SIGINT to the process group) mid-run: exit 130 with a one-line message, no worker left
     behind, and ``--resume`` finishes with the uninterrupted run's metrics."""
@@ -208,6 +210,7 @@ def test_ctrl_c_with_workers_exits_130_stops_them_and_resumes_to_the_same_metric
     assert _strip_timing(resumed) == _strip_timing(expected)
 
 
+@pytest.mark.slow
 def test_cli_bad_input_exits_2(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(digits_config()))

@@ -25,6 +25,8 @@ BASELINES = [
     ("local", {}, "personalized", 0.80),
 ]
 
+pytestmark = pytest.mark.slow  # end-to-end learning
+
 
 @pytest.mark.parametrize(("name", "hyper", "protocol", "floor"), BASELINES, ids=[b[0] for b in BASELINES])
 def test_baseline_learns_on_digits(name, hyper, protocol, floor):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,8 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedskew.errors import ConfigError, did_you_mean
-from fedskew.registry import Registry
+from fedskew.registry import Registry, check_options
 
 #: name -> ``loader(root: Path, **options) -> Dataset``
 DATASETS: Registry = Registry("dataset")
@@ -87,12 +85,5 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, **options: An
     Unknown names raise ``ConfigError`` listing the valid ones; unknown options list the allowed options.
     """
     loader = DATASETS.get(name)
-    params = list(inspect.signature(loader).parameters.values())[1:]
-    allowed = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    for key in options:
-        if key not in allowed:
-            raise ConfigError(
-                f"dataset '{name}': unknown option '{key}'{did_you_mean(key, allowed)}; "
-                f"allowed: {', '.join(allowed) or '(none)'}"
-            )
+    check_options(loader, options, f"dataset '{name}': unknown option '{{key}}'", skip=1)
     return loader(resolve_root(root), **options)

@@ -7,7 +7,6 @@ seed)``, never on the algorithm, so every method of a comparison trains on the s
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,8 @@ from torch import Tensor
 
 from fedskew.data.base import Dataset
 from fedskew.data.partition import apply_partition, child_seed, client_test_split, validation_split
-from fedskew.errors import ConfigError, DataError, did_you_mean
+from fedskew.errors import ConfigError, DataError
+from fedskew.registry import check_options, option_names
 
 #: ``client_test_split`` arguments filled in by :func:`build_federated` (not settable under ``data.test``)
 _TEST_RESERVED = frozenset({"num_classes", "train_domains_per_client", "test_domains"})
@@ -28,8 +28,7 @@ _TEST_TAG, _VAL_TAG = 101, 102
 
 def personal_test_options() -> list[str]:
     """Options accepted under ``data.test`` (the keyword options of :func:`client_test_split`)."""
-    params = inspect.signature(client_test_split).parameters.values()
-    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _TEST_RESERVED]
+    return option_names(client_test_split, 3, _TEST_RESERVED)
 
 
 def _histogram(labels: Tensor, idx: list[Tensor], num_classes: int) -> Tensor:
@@ -121,13 +120,7 @@ def _personal_tests(
 ) -> tuple[list[np.ndarray], dict[str, Any]]:
     """Per-client test splits (``data.test`` options checked first), matching the (domain, class) mix when
     both splits carry domain tags."""
-    allowed = personal_test_options()
-    for key in opts:
-        if key not in allowed:
-            raise ConfigError(
-                f"config key 'data.test.{key}': unknown option{did_you_mean(key, allowed)}; "
-                f"allowed: {', '.join(allowed)}"
-            )
+    check_options(client_test_split, opts, "config key 'data.test.{key}': unknown option", 3, _TEST_RESERVED)
     test_domains = None if dataset.domain_test is None else dataset.domain_test.cpu().numpy()
     if domains is None or test_domains is None:
         train_domains, test_domains = None, None

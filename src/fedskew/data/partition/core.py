@@ -7,7 +7,6 @@ each class, shuffled, with :func:`assign_counts`; so no scheme loops over sample
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from fedskew.data.base import PARTITIONERS
 from fedskew.errors import ConfigError, DataError, did_you_mean
+from fedskew.registry import check_options, option_names
 
 #: partitioner arguments that the caller fills in (never set from a config)
 RESERVED = frozenset({"num_classes", "domains"})
@@ -122,11 +122,7 @@ def choose(table: Mapping[str, Any], name: str, option: str, scheme: str) -> Any
 # ----------------------------------------------------------------------------------------------- dispatch
 def partition_options(fn: Callable[..., Any]) -> list[str]:
     """The keyword options a partitioner accepts from a config (its signature minus reserved names)."""
-    return [
-        n
-        for n, p in inspect.signature(fn).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and n not in RESERVED
-    ]
+    return option_names(fn, 3, RESERVED)
 
 
 def check_parts(parts: Sequence[np.ndarray], n: int, num_clients: int, scheme: str) -> list[np.ndarray]:
@@ -163,12 +159,7 @@ def apply_partition(
     if name is None:
         raise ConfigError(f"config key '{where}.name' is required; valid: {', '.join(PARTITIONERS.names())}")
     fn = PARTITIONERS.get(str(name))
-    allowed = partition_options(fn)
-    for key in options:
-        if key not in allowed:
-            raise ConfigError(
-                f"config key '{where}.{key}': unknown option of partition '{name}'"
-                f"{did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or '(none)'}"
-            )
+    subject = f"config key '{where}.{{key}}': unknown option of partition '{name}'"
+    check_options(fn, options, subject, 3, RESERVED)
     parts = fn(labels, num_clients, seed, num_classes=num_classes, domains=domains, **options)
     return check_parts(parts, len(labels), num_clients, str(name))
