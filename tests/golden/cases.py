@@ -61,7 +61,8 @@ def case_config(name: str) -> dict[str, Any]:
 
 
 def case_names() -> list[str]:
-    return [*ALGORITHMS.names(), "fedproto-hetero", "local-hetero", "moon-hetero"]
+    package = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).__module__.startswith("fedskew.")]
+    return [*package, "fedproto-hetero", "local-hetero", "moon-hetero"]
 
 
 def run_case(name: str, out: Path | None = None) -> list[dict[str, Any]]:
