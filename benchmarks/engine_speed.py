@@ -101,7 +101,7 @@ def _with_mode(cfg: dict[str, Any], mode: str, device: str = "cpu") -> dict[str,
 
 
 def _timed(sim: Any, rounds: int, evaluate: bool) -> float:
-    sim.eval.every = 1 if evaluate else 10**9
+    sim.every = 1 if evaluate else 10**9
     sim.run_round()  # warm-up (forks the workers, builds the vmapped step)
     times = []
     for _ in range(rounds):
@@ -124,13 +124,13 @@ def measure_one(
     try:
         off = _timed(sim, rounds, evaluate=False)
         on = _timed(sim, rounds, evaluate=True)
-        resolved = sim._resolved
+        resolved = sim.executor.name
     finally:
         sim.close()
-    per_round = int(sum(sim.train_idx[c].numel() for c in sim.schedule[0].tolist())) * cfg.client.epochs
-    model = sim.model_for(0)
+    per_round = sum(sim.runtime.data.size(c) for c in sim.schedule[0].tolist()) * cfg.client.epochs
+    model = sim.runtime.models.model_for(0)
     fps = train_flops_per_sample(
-        model, sim.x_train[: cfg.client.batch_size], sim.y_train[: cfg.client.batch_size]
+        model, sim.runtime.data.x[: cfg.client.batch_size], sim.runtime.data.y[: cfg.client.batch_size]
     )
     mm, conv = gemm_ceilings(4096 if device.startswith("cuda") else 2048, device=device)
     gflops = fps * per_round / off / 1e9
