@@ -24,19 +24,22 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientConfig,
     ClientView,
     Context,
+    LocalOutput,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     Upload,
     load_state,
-    model_tensors,
+    model_arrays,
 )
 from fedskew.algorithms.moon import model_contrastive_loss
 from fedskew.algorithms.scaffold import CONTROL_PREFIX
 from fedskew.errors import ConfigError
 from fedskew.models.base import FedModel
+from fedskew.settings import ClientSection
 
 PARAM_NAMES = ("body.weight", "classifier.weight", "classifier.bias")
 NUM_PARAMS = 4 + 4 + 2  # body 2x2, classifier 2x2 + 2
@@ -74,7 +77,7 @@ def ctx() -> Context:
         num_classes=2,
         in_shape=(2,),
         device=torch.device("cpu"),
-        client=ClientConfig(epochs=1, batch_size=2, lr=0.1),
+        client=ClientSection(epochs=1, batch_size=2, lr=0.1),
         client_sizes=torch.tensor([1, 3, 2, 2]),
         class_counts=torch.ones(4, 2, dtype=torch.long),
         rounds=3,
@@ -104,8 +107,40 @@ def const_model(value: float, stat: float = 0.0) -> Tiny:
 
 
 def upload(cid: int, n: int, state: dict[str, Tensor], extra: dict[str, Tensor] | None = None) -> Upload:
-    tensors = {**model_tensors({k: v.clone() for k, v in state.items()}), **(extra or {})}
-    return Upload(cid=cid, num_samples=n, payload=Payload(tensors=tensors))
+    arrays = {**model_arrays({k: v.clone() for k, v in state.items()}), **(extra or {})}
+    return Upload(cid=cid, num_samples=n, payload=Payload(arrays=arrays))
+
+
+def info(round_idx: int = 1, cid: int | None = None) -> RoundInfo:
+    """Where a hook runs (``cid=None``: the server, or a broadcast for global evaluation)."""
+    return RoundInfo(round=round_idx, cid=cid, seed=0)
+
+
+def snapshot(tree: object) -> object:
+    """A deep copy of a nested dict / list of tensors and small values (to check a hook did not mutate it)."""
+    if isinstance(tree, Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(snapshot(v) for v in tree)
+    return tree
+
+
+def assert_unchanged(tree: object, before: object) -> None:
+    """``tree`` still equals its :func:`snapshot` ``before``: same keys, bit-identical tensors."""
+    if isinstance(before, Tensor):
+        assert isinstance(tree, Tensor) and torch.equal(tree, before)
+    elif isinstance(before, dict):
+        assert isinstance(tree, dict) and set(tree) == set(before)
+        for k in before:
+            assert_unchanged(tree[k], before[k])
+    elif isinstance(before, (list, tuple)):
+        assert len(tree) == len(before)  # type: ignore[arg-type]
+        for a, b in zip(tree, before, strict=True):  # type: ignore[call-overload]
+            assert_unchanged(a, b)
+    else:
+        assert tree == before
 
 
 def assert_params(weights: dict[str, Tensor], value: float, rel: float = 1e-6) -> None:
@@ -126,13 +161,29 @@ def batch() -> Batch:
     return Batch(v.x, v.y)
 
 
+def scratch_for(alg: Algorithm, model: nn.Module, payload: Payload, state: dict, cid: int = 0) -> Scratch:
+    """The read-only scratch the engine hands ``local_loss``: what ``init_scratch`` made."""
+    return Scratch(alg.init_scratch(model, payload, state, view(cid), info(1, cid)))
+
+
 def loss_grads(
     alg: Algorithm, model: nn.Module, payload: Payload, state: dict
 ) -> tuple[float, dict[str, Tensor]]:
+    scratch = scratch_for(alg, model, payload, state)
     model.zero_grad(set_to_none=True)
-    loss = alg.local_loss(model, batch(), payload, state, {})
+    loss = alg.local_loss(model, batch(), payload, state, scratch)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def finish(
+    alg: Algorithm, model: nn.Module, payload: Payload, state: dict, steps: int, cid: int = 0
+) -> LocalOutput:
+    """``finish_local`` after ``steps`` local steps at η_l = 0.1 (``model`` holds the trained weights)."""
+    scratch = scratch_for(alg, model, payload, state, cid)
+    return alg.finish_local(
+        model, payload, state, view(cid), scratch, LocalResult(steps, 0.0, 0.1), info(1, cid)
+    )
 
 
 def ce_grads(model: nn.Module) -> tuple[float, dict[str, Tensor]]:
@@ -179,11 +230,15 @@ def test_registered_with_paper_defaults() -> None:
 def test_fedavg_sample_weighted_average(ctx: Context) -> None:
     alg = make("fedavg", ctx)
     server = alg.init_server(Tiny())
-    server = alg.aggregate(
-        server, [upload(0, 1, const_state(1.0, 2.0)), upload(1, 3, const_state(5.0, 6.0))], 1
-    )
-    assert_params(server["weights"], 0.25 * 1.0 + 0.75 * 5.0)  # 4.0
-    assert torch.allclose(server["weights"]["stat"], torch.full((2,), 5.0))
+    before = snapshot(server)
+    ups = [upload(0, 1, const_state(1.0, 2.0)), upload(1, 3, const_state(5.0, 6.0))]
+    uploads_before = [snapshot(u.payload.arrays) for u in ups]
+    new = alg.aggregate(server, ups, info(1))
+    assert_params(new["weights"], 0.25 * 1.0 + 0.75 * 5.0)  # 4.0
+    assert torch.allclose(new["weights"]["stat"], torch.full((2,), 5.0))
+    assert_unchanged(server, before)  # aggregate returns a new server state
+    for u, b in zip(ups, uploads_before, strict=True):
+        assert_unchanged(u.payload.arrays, b)
 
 
 # ---------------------------------------------------------------------------------------------- FedProx
@@ -192,7 +247,8 @@ def test_fedprox_proximal_gradient_is_mu_times_distance(ctx: Context) -> None:
     model = Tiny()
     d = offsets()
     w_global = {n: p.detach() - d[n] for n, p in model.named_parameters()}
-    payload = Payload(tensors=model_tensors(w_global))
+    payload = Payload(arrays=model_arrays(w_global))
+    before = snapshot(payload.arrays)
     loss, grads = loss_grads(alg, model, payload, {})
     ce, ce_g = ce_grads(model)
     for n in grads:
@@ -200,6 +256,7 @@ def test_fedprox_proximal_gradient_is_mu_times_distance(ctx: Context) -> None:
     sq = sum(float((v**2).sum()) for v in d.values())  # Σ d² = 0.3 + 0.3 + 0.05 = 0.65
     assert sq == pytest.approx(0.65)
     assert loss == pytest.approx(ce + 0.5 * 0.3 * 0.65, rel=1e-6)
+    assert_unchanged(payload.arrays, before)  # the anchor is read, never written
 
 
 # ---------------------------------------------------------------------------------------------- FedOpt
@@ -219,15 +276,19 @@ ADAPTIVE_CASES = {
 @pytest.mark.parametrize("name", sorted(ADAPTIVE_CASES))
 def test_adaptive_server_step(ctx: Context, name: str) -> None:
     alg = make(name, ctx, server_lr=0.1, tau=1e-3)
-    server = alg.init_server(const_model(0.0))
-    server = alg.aggregate(server, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], 1)
+    server0 = alg.init_server(const_model(0.0))
+    before = snapshot(server0)
+    server = alg.aggregate(
+        server0, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], info(1)
+    )
+    assert_unchanged(server0, before)  # the slots m, v of the old state are not updated in place
     v1, v2 = ADAPTIVE_CASES[name]
     w1 = 0.1 * 0.1 / (math.sqrt(v1) + 1e-3)
     assert_params(server["weights"], w1, rel=1e-5)
     assert_params(server["m"], 0.1, rel=1e-5)
     assert_params(server["v"], v1, rel=1e-5)
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))  # buffer: plain weighted mean
-    server = alg.aggregate(server, [upload(0, 2, const_state(w1 + 0.05, 2.0))], 2)
+    server = alg.aggregate(server, [upload(0, 2, const_state(w1 + 0.05, 2.0))], info(2))
     assert_params(server["m"], 0.095, rel=1e-5)
     assert_params(server["v"], v2, rel=1e-5)
     assert_params(server["weights"], w1 + 0.1 * 0.095 / (math.sqrt(v2) + 1e-3), rel=1e-5)
@@ -236,12 +297,16 @@ def test_adaptive_server_step(ctx: Context, name: str) -> None:
 def test_fedavgm_server_momentum(ctx: Context) -> None:
     alg = make("fedavgm", ctx, server_lr=0.5, momentum=0.9)
     server = alg.init_server(const_model(0.0))
-    server = alg.aggregate(server, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], 1)
+    server = alg.aggregate(
+        server, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], info(1)
+    )
     assert_params(server["weights"], 0.5)  # m1 = Δ1 = 1; w1 = 0 + 0.5·1
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))
-    server = alg.aggregate(server, [upload(0, 2, const_state(0.55))], 2)
-    assert_params(server["m"], 0.95, rel=1e-5)  # m2 = 0.9·1 + 0.05
-    assert_params(server["weights"], 0.975, rel=1e-5)  # w2 = 0.5 + 0.5·0.95
+    before = snapshot(server)
+    new = alg.aggregate(server, [upload(0, 2, const_state(0.55))], info(2))
+    assert_params(new["m"], 0.95, rel=1e-5)  # m2 = 0.9·1 + 0.05
+    assert_params(new["weights"], 0.975, rel=1e-5)  # w2 = 0.5 + 0.5·0.95
+    assert_unchanged(server, before)
 
 
 # ---------------------------------------------------------------------------------------------- FedDyn
@@ -250,31 +315,39 @@ def test_feddyn_local_gradient_and_memory_update(ctx: Context) -> None:
     model = Tiny()
     d = offsets()
     prev = {n: p.detach() - d[n] for n, p in model.named_parameters()}  # θ^{t−1} = θ − d
-    payload = Payload(tensors=model_tensors(prev))
+    payload = Payload(arrays=model_arrays(prev))
     g = {n: -3.0 * v for n, v in offsets().items()}  # ∇L_k(θ_k^{t−1}), distinct from d
     state = {"grad": dict(g)}
     _, grads = loss_grads(alg, model, payload, state)
     _, ce_g = ce_grads(model)
     for n in grads:  # ∇[CE − ⟨g, θ⟩ + α/2‖θ − θ^{t−1}‖²] = ∇CE − g + α d
         assert torch.allclose(grads[n], ce_g[n] - g[n] + 0.2 * d[n], atol=1e-6), n
-    up = alg.finish_local(model, payload, state, view(), {}, LocalResult(steps=2, loss=0.0, lr=0.1))
+    before = snapshot({"state": state, "payload": payload.arrays})
+    out = finish(alg, model, payload, state, steps=2)
     for n in g:  # ∇L_k(θ_k^t) = g − α (θ_k^t − θ^{t−1}) = −3d − 0.2 d
-        assert torch.allclose(state["grad"][n], -3.2 * d[n], atol=1e-6), n
-    assert up.num_floats() == NUM_PARAMS + 2
+        assert torch.allclose(out.state["grad"][n], -3.2 * d[n], atol=1e-6), n
+    assert_unchanged({"state": state, "payload": payload.arrays}, before)  # the new state is a new dict
+    # the model only (10 parameters + the 2-float buffer), float32, no config values: 4·12 = 48 bytes
+    assert out.upload.num_params() == NUM_PARAMS + 2
+    assert out.upload.nbytes() == 4 * (NUM_PARAMS + 2)
 
 
 def test_feddyn_server_h_and_model(ctx: Context) -> None:
     alg = make("feddyn", ctx, alpha=0.1)
     server = alg.init_server(const_model(0.0))
-    assert set(alg.init_client(0, server)["grad"]) == set(PARAM_NAMES)
+    grad0 = alg.init_client(0)["grad"]  # from the context alone: zeros shaped like the parameters
+    assert set(grad0) == set(PARAM_NAMES)
+    assert all(torch.equal(grad0[n], torch.zeros_like(server["h"][n])) for n in PARAM_NAMES)
     # |P| = 2 of m = 4; unweighted mean (1 + 3)/2 = 2 despite n = 1, 3.
+    old, before = server, snapshot(server)
     server = alg.aggregate(
-        server, [upload(0, 1, const_state(1.0, 1.0)), upload(1, 3, const_state(3.0, 3.0))], 1
+        server, [upload(0, 1, const_state(1.0, 1.0)), upload(1, 3, const_state(3.0, 3.0))], info(1)
     )
     assert_params(server["h"], -0.1)  # h = 0 − 0.1·(1/4)·(1 + 3)
     assert_params(server["weights"], 3.0)  # θ = 2 − (−0.1)/0.1
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))
-    server = alg.aggregate(server, [upload(2, 2, const_state(3.5))], 2)
+    assert_unchanged(old, before)  # h and θ of the previous state are not updated in place
+    server = alg.aggregate(server, [upload(2, 2, const_state(3.5))], info(2))
     assert_params(server["h"], -0.1 - 0.1 * 0.25 * 0.5, rel=1e-5)  # h = −0.1 − 0.1·(1/4)·(3.5 − 3) = −0.1125
     assert_params(server["weights"], 3.5 + 1.125, rel=1e-5)  # θ = 3.5 − (−0.1125)/0.1
 
@@ -285,31 +358,40 @@ def test_scaffold_correction_gradient_and_bytes(ctx: Context) -> None:
     server = alg.init_server(Tiny())
     server["c"] = {n: v.clone() for n, v in offsets().items()}  # c = d
     c_i = {n: -2.0 * v for n, v in offsets().items()}  # c_i = −2d
-    payload = alg.broadcast(server, 0)
-    assert payload.num_floats() == 2 * NUM_PARAMS + 2  # x (with buffer) and c
-    assert alg.broadcast(server, None).num_floats() == NUM_PARAMS + 2  # evaluation: the model only
+    payload = alg.broadcast(server, info(1, 0))
+    # x (10 parameters + the 2-float buffer) and c (10): 22 float32 values, no config values
+    assert payload.num_params() == 2 * NUM_PARAMS + 2
+    assert payload.nbytes() == 4 * (2 * NUM_PARAMS + 2)
+    evaluation = alg.broadcast(server, info(1, None))  # evaluation: the model only
+    assert evaluation.num_params() == NUM_PARAMS + 2 and evaluation.nbytes() == 4 * (NUM_PARAMS + 2)
     model = Tiny()
-    load_state(model, payload.model_state())
-    _, grads = loss_grads(alg, model, payload, {"c": c_i})
+    state = {"c": c_i}
+    load_state(model, alg.model_weights(payload, state))
+    before = snapshot({"state": state, "payload": payload.arrays})
+    _, grads = loss_grads(alg, model, payload, state)  # the correction comes from init_scratch
     _, ce_g = ce_grads(model)
     for n in grads:  # g − c_i + c = g + 3d
         assert torch.allclose(grads[n], ce_g[n] + 3.0 * offsets()[n], atol=1e-6), n
+    assert_unchanged({"state": state, "payload": payload.arrays}, before)
 
 
 def test_scaffold_control_variate_update(ctx: Context) -> None:
     alg = make("scaffold", ctx, server_lr=0.5)
     server = alg.init_server(const_model(0.0))  # x = 0
     server["c"] = {n: torch.full_like(v, 0.5) for n, v in server["c"].items()}  # c = 0.5
-    state = alg.init_client(0, server)
+    state = alg.init_client(0)
     assert_params(state["c"], 0.0)
-    state["c"] = {n: torch.full_like(v, 0.25) for n, v in state["c"].items()}  # c_i = 0.25
-    payload = alg.broadcast(server, 0)
+    state = {"c": {n: torch.full_like(v, 0.25) for n, v in state["c"].items()}}  # c_i = 0.25
+    payload = alg.broadcast(server, info(1, 0))
     model = const_model(-0.2)  # y_i after K = 2 steps of η_l = 0.1
-    up = alg.finish_local(model, payload, state, view(), {}, LocalResult(steps=2, loss=0.0, lr=0.1))
-    assert_params(state["c"], 0.75)  # c_i⁺ = 0.25 − 0.5 + (0 − (−0.2)) / (2·0.1)
-    dc = {k[len(CONTROL_PREFIX) :]: v for k, v in up.tensors.items() if k.startswith(CONTROL_PREFIX)}
+    out = finish(alg, model, payload, state, steps=2)
+    assert_params(out.state["c"], 0.75)  # c_i⁺ = 0.25 − 0.5 + (0 − (−0.2)) / (2·0.1)
+    assert_params(state["c"], 0.25)  # the committed state is left to the runtime
+    up = out.upload
+    dc = {k[len(CONTROL_PREFIX) :]: v for k, v in up.arrays.items() if k.startswith(CONTROL_PREFIX)}
     assert_params(dc, 0.5)  # Δc_i = c_i⁺ − c_i
-    assert up.num_floats() == 2 * NUM_PARAMS + 2  # Δc_i is sent and counted
+    # y_i (10 parameters + the 2-float buffer) and Δc_i (10): counted, 4 bytes each, no config values
+    assert up.num_params() == 2 * NUM_PARAMS + 2
     assert up.nbytes() == 4 * (2 * NUM_PARAMS + 2)
 
     ups = [
@@ -318,10 +400,12 @@ def test_scaffold_control_variate_update(ctx: Context) -> None:
             1, 3, const_state(0.6, 3.0), {CONTROL_PREFIX + n: torch.full_like(v, 1.5) for n, v in dc.items()}
         ),
     ]
-    server = alg.aggregate(server, ups, 1)
-    assert_params(server["weights"], 0.5 * (-0.2 + 0.6) / 2)  # x + η_g·mean Δy = 0 + 0.5·0.2 = 0.1
-    assert_params(server["c"], 0.5 + (2 / 4) * (0.5 + 1.5) / 2)  # c + |S|/N·mean Δc = 1.0
-    assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))
+    before = snapshot(server)
+    new = alg.aggregate(server, ups, info(1))
+    assert_params(new["weights"], 0.5 * (-0.2 + 0.6) / 2)  # x + η_g·mean Δy = 0 + 0.5·0.2 = 0.1
+    assert_params(new["c"], 0.5 + (2 / 4) * (0.5 + 1.5) / 2)  # c + |S|/N·mean Δc = 1.0
+    assert torch.allclose(new["weights"]["stat"], torch.full((2,), 2.0))
+    assert_unchanged(server, before)
 
 
 # ---------------------------------------------------------------------------------------------- MOON
@@ -344,29 +428,36 @@ def test_moon_contrastive_term_on_hand_made_embeddings() -> None:
 def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context) -> None:
     alg = make("moon", ctx, mu=2.0, tau=0.5)
     local, glob, prev = Tiny(), Tiny(), Tiny()  # three different random models
-    payload = Payload(tensors=model_tensors(glob.state_dict()))
+    payload = Payload(arrays=model_arrays(glob.state_dict()))
     b = batch()
 
     # first participation: no previous model -> plain CE (the contrastive term has zero gradient there)
     state: dict = {}
-    alg.start_local(local, payload, state, view())
-    first = float(alg.local_loss(local, b, payload, state, {}).detach())
+    load_state(local, alg.model_weights(payload, state))  # what the runtime does before start_local
+    held = snapshot(local.state_dict())
+    plan = alg.start_local(local, payload, state, view(), info(1, 0))
+    assert_unchanged(dict(local.state_dict()), held)  # start_local reads the model, never changes it
+    scratch = scratch_for(alg, local, payload, plan.state)
+    first = float(alg.local_loss(local, b, payload, plan.state, scratch).detach())
     with torch.no_grad():
         ce_global = float(F.cross_entropy(glob(b.x), b.y))
-    assert first == pytest.approx(ce_global, rel=1e-6)  # start_local loaded the global model
+    assert first == pytest.approx(ce_global, rel=1e-6)  # the client trains from the global model
 
     load_state(local, {k: v + 0.3 for k, v in glob.state_dict().items()})
-    up = alg.finish_local(local, payload, state, view(), {}, LocalResult(steps=1, loss=0.0, lr=0.1))
-    assert up.num_floats() == NUM_PARAMS + 2
-    stored = {k: v.clone() for k, v in state["prev"].items()}
+    out = alg.finish_local(local, payload, plan.state, view(), scratch, LocalResult(1, 0.0, 0.1), info(1, 0))
+    # the model only (10 parameters + the 2-float buffer), float32, no config values
+    assert out.upload.num_params() == NUM_PARAMS + 2 and out.upload.nbytes() == 4 * (NUM_PARAMS + 2)
+    assert "prev" not in state and "prev" not in plan.state  # the new state is returned, not written
+    stored = {k: v.clone() for k, v in out.state["prev"].items()}
     load_state(local, prev.state_dict())  # the engine reuses the model instance: state must not alias it
-    assert all(torch.equal(stored[k], state["prev"][k]) for k in stored)
-    assert torch.allclose(state["prev"]["body.weight"], glob.body.weight + 0.3)
+    assert all(torch.equal(stored[k], out.state["prev"][k]) for k in stored)
+    assert torch.allclose(out.state["prev"]["body.weight"], glob.body.weight + 0.3)
 
     state = {"prev": {k: v.clone() for k, v in prev.state_dict().items()}}
-    alg.start_local(local, payload, state, view())  # loads the global model into ``local``
+    load_state(local, alg.model_weights(payload, state))  # the global model, loaded by the runtime
+    plan = alg.start_local(local, payload, state, view(), info(2, 0))
     load_state(local, {k: v * 0.5 for k, v in glob.state_dict().items()})  # pretend training moved it
-    loss = alg.local_loss(local, b, payload, state, {})
+    loss = alg.local_loss(local, b, payload, plan.state, scratch_for(alg, local, payload, plan.state))
     with torch.no_grad():
         z = local.features(b.x)
         expected = F.cross_entropy(local.head(z), b.y) + 2.0 * model_contrastive_loss(
@@ -376,7 +467,7 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
     loss.backward()
     assert all(p.grad is not None for p in local.parameters())
     n_builds = len(ctx.built)  # type: ignore[attr-defined]
-    alg.start_local(local, payload, state, view(1))
+    alg.start_local(local, payload, state, view(1), info(2, 1))
     assert len(ctx.built) == n_builds == 2  # type: ignore[attr-defined]  (frozen models built once, cached)
 
 
@@ -387,25 +478,30 @@ def test_local_sends_nothing_and_keeps_personal_weights(ctx: Context) -> None:
     assert alg.personalized_eval
     init = const_model(1.0)
     server = alg.init_server(init)
-    states = {cid: alg.init_client(cid, server) for cid in (0, 1)}
+    states = {cid: alg.init_client(cid) for cid in (0, 1)}
     assert_params(states[0]["weights"], 1.0)
     assert states[0]["weights"]["body.weight"].data_ptr() != server["weights"]["body.weight"].data_ptr()
     model = Tiny()
     for cid, trained in ((0, 7.0), (1, -2.0)):
-        payload = alg.broadcast(server, cid)
+        payload = alg.broadcast(server, info(1, cid))
         assert payload.nbytes() == 0
-        alg.start_local(model, payload, states[cid], view(cid))
+        load_state(model, alg.model_weights(payload, states[cid]))
         assert_params(dict(model.state_dict()), 1.0)  # starts from its own (initial) weights
+        plan = alg.start_local(model, payload, states[cid], view(cid), info(1, cid))
         load_state(model, const_state(trained))  # "training"
-        up = alg.finish_local(model, payload, states[cid], view(cid), {}, LocalResult(1, 0.0, 0.1))
-        assert up.nbytes() == 0
+        out = alg.finish_local(
+            model, payload, plan.state, view(cid), Scratch(), LocalResult(1, 0.0, 0.1), info(1, cid)
+        )
+        assert out.upload.nbytes() == 0
+        assert_params(states[cid]["weights"], 1.0)  # not mutated: the runtime commits ``out.state``
+        states[cid] = out.state
     assert_params(states[0]["weights"], 7.0)
     assert_params(states[1]["weights"], -2.0)
-    server = alg.aggregate(server, [Upload(0, 1, Payload()), Upload(1, 3, Payload())], 1)
+    server = alg.aggregate(server, [Upload(0, 1, Payload()), Upload(1, 3, Payload())], info(1))
     assert_params(server["weights"], 1.0)
-    alg.start_local(model, alg.broadcast(server, 0), states[0], view(0))
+    load_state(model, alg.model_weights(alg.broadcast(server, info(2, 0)), states[0]))
     assert_params(dict(model.state_dict()), 7.0)  # next round resumes client 0's personal model
-    alg.load_eval(model, alg.broadcast(server, 1), states[1])
+    load_state(model, alg.eval_weights(alg.broadcast(server, info(2, 1)), states[1]))
     assert_params(dict(model.state_dict()), -2.0)
     with pytest.raises(ConfigError, match=r"eval\.protocol=personalized"):
-        alg.load_eval(model, alg.broadcast(server, None), None)
+        alg.eval_weights(alg.broadcast(server, info(2, None)), None)

@@ -11,11 +11,15 @@ import torch.nn.functional as F
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
+    MODEL_PREFIX,
     Batch,
     ClientView,
     LocalResult,
     Payload,
+    RoundInfo,
+    Scratch,
     Upload,
+    load_state,
 )
 from fedskew.algorithms.fednh import (
     SCALE,
@@ -24,6 +28,7 @@ from fedskew.algorithms.fednh import (
     max_pairwise_cosine,
     uniform_prototypes,
 )
+from fedskew.engine.client import train_client
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation
@@ -35,6 +40,15 @@ def tiny_fednh(**params):
     ctx = tiny_context()
     cls = ALGORITHMS.get("fednh")
     return cls(cls.Params(**params), ctx)
+
+
+def info(cid: int | None, round_idx: int = 1) -> RoundInfo:
+    return RoundInfo(round=round_idx, cid=cid, seed=0)
+
+
+def local_model(alg) -> Lin:
+    """A client's model as the runtime builds it: prepared by the algorithm (FedNH adds the scale s)."""
+    return alg.prepare_model(Lin())
 
 
 # ------------------------------------------------------------------------------------ (1) initialisation
@@ -78,10 +92,31 @@ def test_server_prototypes_are_seeded_and_the_head_is_not_sent():
     assert torch.equal(server["protos"], again["protos"])  # deterministic in the run seed
     # C = 3 > d = 2: the optimized init, here the regular simplex (three unit vectors at 120°, cos −1/2)
     assert max_pairwise_cosine(server["protos"]) <= -0.5 + 1e-3
-    payload = alg.broadcast(server, 0)
+    payload = alg.broadcast(server, info(0))
     assert set(payload.model_state()) == {"body.weight"}
-    assert payload.tensors["scale"].tolist() == [7.0]
-    assert torch.equal(payload.tensors["protos"], server["protos"])
+    assert payload.arrays["scale"].tolist() == [7.0]
+    assert torch.equal(payload.arrays["protos"], server["protos"])
+    assert payload.config == {}
+    # body 2x2, scale 1, prototypes 3x2, all float32: 4·(4 + 1 + 6) bytes
+    assert payload.nbytes() == 4 * (4 + 1 + 6)
+
+
+def test_prepare_model_adds_one_trainable_scale_and_model_weights_load_it():
+    alg = tiny_fednh(scale_init=7.0)
+    model = Lin()
+    assert alg.prepare_model(model) is model
+    scale = getattr(model, SCALE)
+    assert isinstance(scale, torch.nn.Parameter) and scale.tolist() == [1.0]
+    alg.prepare_model(model)  # idempotent: the same parameter, no second one
+    assert getattr(model, SCALE) is scale
+    assert [n for n, _ in model.named_parameters()].count(SCALE) == 1
+    payload = alg.broadcast(alg.init_server(Lin()), info(0))
+    before = {k: v.clone() for k, v in payload.arrays.items()}
+    weights = alg.model_weights(payload, {})
+    assert set(weights) == {"body.weight", SCALE}  # the unused head is never loaded
+    load_state(model, weights)
+    assert getattr(model, SCALE).tolist() == [7.0]
+    assert all(torch.equal(v, before[k]) for k, v in payload.arrays.items())  # the payload is untouched
 
 
 # ------------------------------------------------------------------------------------ (2) semantics infusion
@@ -115,28 +150,37 @@ def test_client_upload_and_server_aggregate_on_a_tiny_federation():
     server = alg.init_server(Lin())
     protos0 = server["protos"].clone()
     head0 = server["weights"]["classifier.weight"].clone()
-    model = Lin()
+    model = local_model(alg)
     uploads = []
     body = {0: torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 1: torch.tensor([[2.0, 0.0], [0.0, -1.0]])}
     data = {0: (torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 3.0]]), torch.tensor([0, 0, 1]))}
     data[1] = (torch.tensor([[1.0, -1.0], [0.0, 2.0], [4.0, 0.0]]), torch.tensor([1, 2, 2]))
     for cid, w in body.items():
-        payload = alg.broadcast(server, cid)
+        payload = alg.broadcast(server, info(cid))
         x, y = data[cid]
         view = ClientView(cid, x, y, torch.bincount(y, minlength=3))
-        alg.start_local(model, payload, {}, view)
+        load_state(model, alg.model_weights(payload, {}))
+        assert getattr(model, SCALE).tolist() == [2.0]  # s is received with the body
+        plan = alg.start_local(model, payload, {}, view, info(cid))
+        scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info(cid)))
         with torch.no_grad():  # stand-in for local training: set the weights and the scale
             model.body.weight.copy_(w)
             getattr(model, SCALE).fill_(3.0 + cid)
-        up = alg.finish_local(model, payload, {}, view, {}, LocalResult(1, 0.0, 0.1))
-        uploads.append(Upload(cid, 3, up))
+        out = alg.finish_local(model, payload, plan.state, view, scratch, LocalResult(1, 0.0, 0.1), info(cid))
+        assert out.state == {}
+        uploads.append(Upload(cid, 3, out.upload))
     # client 0: z = x (identity body): class 0 means of normalised (1,1)/√2 and (1,0), then normalised
-    u0 = uploads[0].payload.tensors
+    u0 = uploads[0].payload.arrays
     m = (torch.tensor([1.0, 1.0]) / math.sqrt(2) + torch.tensor([1.0, 0.0])) / 2
     assert u0["classes"].tolist() == [0, 1] and u0["counts"].tolist() == [2, 1]
     assert torch.allclose(u0["protos"], torch.stack([m / m.norm(), torch.tensor([0.0, 1.0])]), atol=1e-6)
     assert "model.classifier.weight" not in u0 and set(uploads[0].payload.model_state()) == {"body.weight"}
-    server = alg.aggregate(server, uploads, 1)
+    # body 4 + s 1 + class means 2x2 float32, class ids and counts 2 + 2 int64: 4·9 + 8·4 bytes
+    assert uploads[0].payload.nbytes() == 4 * 9 + 8 * 4
+    assert uploads[0].payload.num_params() == 9  # integer metadata is not counted
+    old, before = server, {k: v.clone() for k, v in server.items() if isinstance(v, torch.Tensor)}
+    server = alg.aggregate(server, uploads, info(None))
+    assert all(torch.equal(old[k], v) for k, v in before.items())  # a new state; the old one is intact
     # equal sample counts: body and s are the plain means
     assert torch.allclose(server["weights"]["body.weight"], torch.tensor([[1.5, 0.0], [0.0, 0.0]]))
     assert torch.allclose(server["scale"], torch.tensor([3.5]))
@@ -154,26 +198,32 @@ def test_local_logits_are_scale_times_cosine_and_only_the_body_and_scale_train()
     server = alg.init_server(Lin())
     protos = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 4.0]])  # non-unit: cosine normalises them
     server["protos"] = protos
-    payload = alg.broadcast(server, 0)
-    model = Lin()
+    payload = alg.broadcast(server, info(0))
+    model = local_model(alg)
     x, y = torch.tensor([[1.0, 1.0], [3.0, -4.0]]), torch.tensor([0, 2])
     view = ClientView(0, x, y, torch.bincount(y, minlength=3))
-    (phase,) = alg.start_local(model, payload, {}, view)
+    load_state(model, alg.model_weights(payload, {}))
+    plan = alg.start_local(model, payload, {}, view, info(0))
+    (phase,) = plan.phases
+    scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info(0)))
     with torch.no_grad():
         model.body.weight.copy_(torch.eye(2))
     # z = x: cos((1,1), ·) = (1/√2, 1/√2, 1/(5√2)); cos((3,−4), ·) = (3/5, −4/5, −25/25)
     r2 = 1 / math.sqrt(2)
     expected = 4.0 * torch.tensor([[r2, r2, 0.2 * r2], [0.6, -0.8, -1.0]])
     assert torch.allclose(cosine_logits(x, protos, 4.0), expected, atol=1e-6)
-    loss = alg.local_loss(model, Batch(x, y), payload, {}, {})
+    loss = alg.local_loss(model, Batch(x, y), payload, plan.state, scratch)
     assert torch.allclose(loss, F.cross_entropy(expected, y), atol=1e-6)
     assert torch.allclose(alg.predict(model, x, payload, None)["logits"], expected, atol=1e-6)
     # the scale is a trainable parameter of the local model; the head is frozen
     assert phase.trainable is not None
     assert phase.trainable(SCALE) and phase.trainable("body.weight")
     assert not phase.trainable("classifier.weight") and not phase.trainable("classifier.bias")
+    loss.backward()
+    assert getattr(model, SCALE).grad is not None and float(getattr(model, SCALE).grad.abs()) > 0
     fixed = tiny_fednh(learn_scale=False)
-    (phase,) = fixed.start_local(Lin(), fixed.broadcast(fixed.init_server(Lin()), 0), {}, view)
+    payload = fixed.broadcast(fixed.init_server(Lin()), info(0))
+    (phase,) = fixed.start_local(local_model(fixed), payload, {}, view, info(0)).phases
     assert phase.trainable is not None and not phase.trainable(SCALE)
 
 
@@ -181,7 +231,7 @@ def test_scale_gradient_flows_and_a_fixed_scale_is_not_averaged():
     alg = tiny_fednh(learn_scale=False, scale_init=5.0)
     server = alg.init_server(Lin())
     up = Payload(
-        tensors={
+        arrays={
             "model.body.weight": torch.eye(2),
             "scale": torch.tensor([9.0]),
             "classes": torch.tensor([0]),
@@ -189,7 +239,7 @@ def test_scale_gradient_flows_and_a_fixed_scale_is_not_averaged():
             "counts": torch.tensor([1]),
         }
     )
-    server = alg.aggregate(server, [Upload(0, 1, up)], 1)
+    server = alg.aggregate(server, [Upload(0, 1, up)], info(None))
     assert server["scale"].tolist() == [5.0]
 
 
@@ -232,13 +282,20 @@ def test_fednh_learns_on_digits_and_beats_its_initial_prototypes():
 def test_only_body_scale_and_class_statistics_cross_the_network():
     cfg = digits_config(rounds=1, algorithm={"name": "fednh"}, checkpoint={"every": 0})
     sim = build_simulation(build_config(cfg))
-    model = sim.model_for(0)
+    model = sim.runtime.models.model_for(0)
+    assert isinstance(getattr(model, SCALE), torch.nn.Parameter)  # prepared by the runtime
     head = {k for k in model.state_dict() if model.is_head(k)}
-    out = sim.train_client(0, 1)
+    payload = sim.algorithm.broadcast(sim.server, RoundInfo(1, 0, sim.seed))
+    body = set(model.state_dict()) - head - {SCALE}
+    assert set(payload.arrays) == {MODEL_PREFIX + k for k in body} | {"protos", "scale"}
+    before = {k: v.clone() for k, v in payload.arrays.items()}
+    out = train_client(sim.runtime, 0, 1, payload, sim.client_state(0))
+    assert all(torch.equal(v, before[k]) for k, v in payload.arrays.items())  # training left it intact
     assert out.upload is not None
     up = out.upload.payload
-    assert set(up.model_state()) == set(model.state_dict()) - head - {SCALE}
-    held = torch.nonzero(sim.class_counts[0]).flatten()
-    assert torch.equal(up.tensors["classes"].cpu(), held)
-    assert torch.equal(up.tensors["counts"].cpu(), sim.class_counts[0][held].long())
-    assert torch.allclose(up.tensors["protos"].norm(dim=1), torch.ones(len(held)), atol=1e-5)
+    assert set(up.model_state()) == body
+    counts = sim.algorithm.ctx.class_counts
+    held = torch.nonzero(counts[0]).flatten()
+    assert torch.equal(up.arrays["classes"].cpu(), held)
+    assert torch.equal(up.arrays["counts"].cpu(), counts[0][held].long())
+    assert torch.allclose(up.arrays["protos"].norm(dim=1), torch.ones(len(held)), atol=1e-5)

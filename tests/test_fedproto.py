@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, Batch, ClientView, Context, Payload
+from fedskew.algorithms.base import ALGORITHMS, Batch, ClientView, Context, Payload, RoundInfo, Scratch
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.fedproto import prototype_regularizer
 from fedskew.experiment.config import build_config
@@ -53,10 +53,12 @@ def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
     x = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
     y = torch.tensor([0, 0, 1, 2])  # class 2 has no global prototype yet
     payload = Payload(
-        tensors={"classes": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 1.0], [0.0, 3.0]])}
+        arrays={"classes": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 1.0], [0.0, 3.0]])}
     )
     view = ClientView(cid=0, x=x, y=y, class_counts=torch.bincount(y, minlength=3))
-    scratch = alg.init_scratch(model, payload, {}, view)  # what the engine hands local_loss
+    before = {k: v.clone() for k, v in payload.arrays.items()}
+    # what the engine hands local_loss: the read-only mapping of what init_scratch made
+    scratch = Scratch(alg.init_scratch(model, payload, {}, view, RoundInfo(1, 0, 0)))
     loss = alg.local_loss(model, Batch(x, y), payload, {}, scratch)
     h = torch.tensor([[1.0, 2.0], [2.0, 0.0], [0.0, 2.0], [1.0, -2.0]])  # body(x) by hand
     reg = (((1 - 1) ** 2 + (2 - 1) ** 2) + ((2 - 1) ** 2 + (0 - 1) ** 2) + (0**2 + (2 - 3) ** 2) + 0.0) / (
@@ -64,8 +66,10 @@ def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
     )
     expected = F.cross_entropy(model.head(h), y) + 0.5 * reg
     assert abs(float(loss.detach()) - float(expected.detach())) < 1e-6
-    # the global prototypes are constants: no gradient reaches them
-    assert not payload.tensors["protos"].requires_grad
+    # the global prototypes are constants: read, never written, and no gradient reaches them
+    loss.backward()
+    assert all(torch.equal(v, before[k]) for k, v in payload.arrays.items())
+    assert all(not v.requires_grad and v.grad is None for v in payload.arrays.values())
 
 
 def test_prototype_level_regularizer_is_sample_form_minus_within_class_scatter():
@@ -83,26 +87,28 @@ def test_only_prototypes_cross_the_network():
     seen_up: list[Payload] = []
     seen_down: list[Payload] = []
     aggregate, broadcast = sim.algorithm.aggregate, sim.algorithm.broadcast
-    sim.algorithm.aggregate = lambda s, ups, r: (
+    sim.algorithm.aggregate = lambda s, ups, info: (
         seen_up.extend(u.payload for u in ups),
-        aggregate(s, ups, r),
+        aggregate(s, ups, info),
     )[1]
-    sim.algorithm.broadcast = lambda s, cid: (lambda p: (seen_down.append(p), p)[1])(broadcast(s, cid))
+    sim.algorithm.broadcast = lambda s, info: (lambda p: (seen_down.append(p), p)[1])(broadcast(s, info))
     assert not sim.server["present"].any()  # round 1 starts from an empty prototype set (spec A3)
     sim.run_round()
-    assert all(p.tensors["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
+    assert all(p.arrays["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
     sim.run_round()
-    weights = {tuple(v.shape) for v in sim.model_for(0).state_dict().values()}
+    weights = {tuple(v.shape) for v in sim.runtime.models.model_for(0).state_dict().values()}
     for p in seen_up + seen_down:
-        assert set(p.tensors) <= {"classes", "protos", "counts"}
-        assert not {tuple(t.shape) for t in p.tensors.values()} & (weights - {(50,)})
-        assert p.tensors["protos"].shape[1:] == (50,)
-    counts = sim.class_counts
+        assert set(p.arrays) <= {"classes", "protos", "counts"} and not p.config and not p.metrics
+        assert not {tuple(t.shape) for t in p.arrays.values()} & (weights - {(50,)})
+        assert p.arrays["protos"].shape[1:] == (50,)
+    counts = sim.algorithm.ctx.class_counts
     for cid, p in enumerate(seen_up[-sim.num_clients :]):
-        assert p.tensors["classes"].tolist() == torch.nonzero(counts[cid] > 0).flatten().tolist()
-        assert p.tensors["counts"].tolist() == counts[cid][counts[cid] > 0].tolist()
+        assert p.arrays["classes"].tolist() == torch.nonzero(counts[cid] > 0).flatten().tolist()
+        assert p.arrays["counts"].tolist() == counts[cid][counts[cid] > 0].tolist()
     record = sim.history[-1]
     assert record["round_params_up"] == 50 * int((counts > 0).sum())  # Σ_i n_i · d_c (spec §5.2)
+    # per held class: 50 float32 values, an int64 class id and an int64 count
+    assert record["round_bytes_up"] == (4 * 50 + 8 + 8) * int((counts > 0).sum())
     assert {"accuracy", "accuracy_logits", "proto_distance"} <= set(record)
 
 
@@ -120,7 +126,7 @@ def test_heterogeneous_models_train_together_and_learn():
         )
     )
     sim = build_simulation(cfg)
-    sizes = {count_parameters(sim.model_for(c)) for c in range(6)}
+    sizes = {count_parameters(sim.runtime.models.model_for(c)) for c in range(6)}
     assert len(sizes) == 3
     for _ in range(cfg.rounds):
         sim.run_round()
@@ -153,7 +159,7 @@ def test_fedper_uploads_only_shared_layers_and_keeps_its_head():
     sim.algorithm.aggregate = lambda s, u, r: (ups.extend(x.payload for x in u), aggregate(s, u, r))[1]
     sim.run_round()
     names = set(ups[0].model_state())
-    model = sim.model_for(0)
+    model = sim.runtime.models.model_for(0)
     assert names == set(model.state_dict()) - personal_names(model, "linear")
     heads = [sim.client_states[c]["personal"]["classifier.1.weight"] for c in range(2)]
     assert not torch.equal(heads[0], heads[1])  # personal heads differ after local training
@@ -169,9 +175,15 @@ def test_fedrep_trains_head_on_a_frozen_body_then_the_body():
     assert all(torch.allclose(before[k].float(), sim.server["weights"][k].float(), atol=1e-6) for k in before)
     head0 = sim.algorithm.ctx.initial_state(0)["classifier.1.weight"]
     assert not torch.equal(sim.client_states[0]["personal"]["classifier.1.weight"], head0)
-    phases = sim.algorithm.start_local(
-        sim.model_for(0), sim.algorithm.broadcast(sim.server, 0), sim.client_state(0), sim.client_view(0)
+    state = sim.client_state(0)
+    plan = sim.algorithm.start_local(
+        sim.runtime.models.model_for(0),
+        sim.algorithm.broadcast(sim.server, RoundInfo(2, 0, sim.seed)),
+        state,
+        sim.runtime.data.view(0),
+        RoundInfo(2, 0, sim.seed),
     )
+    phases = plan.phases
     assert [p.epochs for p in phases] == [3, 0]
     assert phases[0].trainable("classifier.1.weight") and not phases[0].trainable("body.1.weight")
     assert phases[1].trainable("body.1.weight") and not phases[1].trainable("classifier.1.bias")

@@ -10,8 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, Batch, LocalResult, Payload, Upload, model_tensors
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Batch,
+    ClientView,
+    Context,
+    LocalResult,
+    Payload,
+    RoundInfo,
+    Scratch,
+    Upload,
+    model_arrays,
+)
 from fedskew.algorithms.fedrcl import (
+    DIAG_KEYS,
     collect_features,
     level_names,
     relaxed_contrastive_loss,
@@ -20,6 +32,7 @@ from fedskew.algorithms.fedrcl import (
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.models.base import MODELS
+from fedskew.settings import ClientSection
 from tests.conftest import digits_config
 
 
@@ -126,20 +139,41 @@ def test_levels_of_cnn_fedproto_and_resnet8() -> None:
     assert [h.shape[1] for h in picked] == [8, 32]
     with pytest.raises(ValueError, match="4 levels"):
         collect_features(net, xr, layers=[7])
-    # hooks are removed after the pass
-    assert not any(m._forward_hooks for m in net.modules())
+
+
+def test_feature_hooks_are_removed_after_the_pass(monkeypatch) -> None:
+    """Every forward hook ``collect_features`` registers is removed again after the pass."""
+    handles = []
+    register = torch.nn.Module.register_forward_hook
+
+    def recording(self, hook, *args, **kwargs):
+        handle = register(self, hook, *args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    monkeypatch.setattr(torch.nn.Module, "register_forward_hook", recording)
+    for net, x in (
+        (MODELS.get("resnet8")((3, 32, 32), 10, width=8).eval(), torch.randn(2, 3, 32, 32)),
+        (MODELS.get("cnn_fedproto")((1, 28, 28), 10).eval(), torch.randn(2, 1, 28, 28)),
+    ):
+        handles.clear()
+        collect_features(net, x)
+        assert handles  # the levels were captured by hooks
+        assert all(h.id not in h.hooks_dict_ref() for h in handles)
 
 
 # ----------------------------------------------------------------------------------------------- hooks
-def _ctx(num_classes: int = 10):
-    from fedskew.algorithms.base import ClientConfig, Context
-
+def _ctx(num_classes: int = 10) -> Context:
     return Context(
         num_clients=2, num_classes=num_classes, in_shape=(1, 28, 28), device=torch.device("cpu"),
-        client=ClientConfig(), client_sizes=torch.tensor([5, 3]),
+        client=ClientSection(), client_sizes=torch.tensor([5, 3]),
         class_counts=torch.ones(2, num_classes, dtype=torch.long), rounds=1, seed=0,
         build_model=lambda cid: MODELS.get("cnn_fedproto")((1, 28, 28), num_classes),
     )
+
+
+def _view(x: torch.Tensor, y: torch.Tensor, cid: int = 0) -> ClientView:
+    return ClientView(cid, x, y, torch.bincount(y, minlength=10))
 
 
 def test_local_loss_is_ce_plus_beta_times_mean_over_levels_and_gradients_route() -> None:
@@ -152,7 +186,7 @@ def test_local_loss_is_ce_plus_beta_times_mean_over_levels_and_gradients_route()
     alg = cls(cls.Params(beta=0.5, tau=0.2, threshold=0.3), _ctx())
     model = MODELS.get("cnn_fedproto")((1, 28, 28), 10, dropout=0.0)
     x, y = torch.randn(6, 1, 28, 28), torch.tensor([0, 0, 1, 1, 1, 2])
-    scratch: dict = {}
+    scratch = Scratch(alg.init_scratch(model, Payload(), {}, _view(x, y), RoundInfo(1, 0, 0)))
     loss = alg.local_loss(model, Batch(x, y), Payload(), {}, scratch)
     with torch.no_grad():
         z, levels = collect_features(model, x)
@@ -194,28 +228,60 @@ def test_penalty_gradient_pushes_only_over_similar_positives_apart() -> None:
 
 
 def test_aggregate_is_fedavg_and_diagnostics_are_logged() -> None:
+    torch.manual_seed(0)
     cls = ALGORITHMS.get("fedrcl")
     alg = cls(cls.Params(), _ctx())
-    model = MODELS.get("cnn_fedproto")((1, 28, 28), 10)
+    model = MODELS.get("cnn_fedproto")((1, 28, 28), 10, dropout=0.0)
     server = alg.init_server(model)
-    payload = alg.broadcast(server, 0)
-    scratch: dict = {}
-    state: dict = {}
-    alg.start_local(model, payload, state, None)  # type: ignore[arg-type]
+    payload = alg.broadcast(server, RoundInfo(1, 0, 0))
     x, y = torch.randn(8, 1, 28, 28), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-    alg.local_loss(model, Batch(x, y), payload, state, scratch)
-    up = alg.finish_local(model, payload, state, None, scratch, LocalResult(1, 0.0, 0.1))  # type: ignore[arg-type]
-    assert set(up.scalars) == {"rcl_scl", "rcl_penalty", "rcl_active_pairs", "rcl_pos_sim"}
-    assert 0.0 <= up.scalars["rcl_active_pairs"] <= 1.0
+    view, info = _view(x, y), RoundInfo(1, 0, 0)
+    state: dict = {}
+    plan = alg.start_local(model, payload, state, view, info)
+    scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info))
+    alg.local_loss(model, Batch(x, y), payload, plan.state, scratch)
+    out = alg.finish_local(model, payload, plan.state, view, scratch, LocalResult(1, 0.0, 0.1), info)
+    assert out.state == {}  # FedRCL keeps no client state
+    up = out.upload
+    # diagnostics are metrics (logged, not counted): the upload is the model alone
+    assert set(up.metrics) == set(DIAG_KEYS) == {"rcl_scl", "rcl_penalty", "rcl_active_pairs", "rcl_pos_sim"}
+    assert up.config == {}
+    assert up.nbytes() == 4 * sum(v.numel() for v in model.state_dict().values())
+    # the diagnostics of the one (last-epoch) batch, by hand: SCL mean over the levels, pair statistics of
+    # the last level (τ = 0.05, λ = 0.7)
+    with torch.no_grad():
+        _, levels = collect_features(model, x)
+        scl = torch.stack([supervised_contrastive_loss(h, y, 0.05) for h in levels]).mean()
+        zn = F.normalize(levels[-1], dim=1)
+        sim = zn @ zn.T
+        pos = (y[:, None] == y[None, :]) & ~torch.eye(8, dtype=torch.bool)
+    assert up.metrics["rcl_scl"] == pytest.approx(float(scl), rel=1e-5)
+    assert up.metrics["rcl_active_pairs"] == pytest.approx(float((pos & (sim > 0.7)).sum() / pos.sum()))
+    assert up.metrics["rcl_pos_sim"] == pytest.approx(float(sim[pos].mean()), rel=1e-5)
     other = {k: v + 1.0 if v.is_floating_point() else v for k, v in model.state_dict().items()}
     ups = [
         Upload(0, 3, up),
-        Upload(1, 1, Payload(tensors=model_tensors(other), scalars=dict(up.scalars, rcl_scl=0.0))),
+        Upload(1, 1, Payload(arrays=model_arrays(other), metrics=dict(up.metrics, rcl_scl=0.0))),
     ]
-    server = alg.aggregate(server, ups, 1)
+    new = alg.aggregate(server, ups, RoundInfo(1, None, 0))
+    assert "diag" not in server  # aggregate returns a new state
     w = model.state_dict()["classifier.1.weight"]
-    assert torch.allclose(server["weights"]["classifier.1.weight"], w + 0.25, atol=1e-6)
-    assert alg.round_metrics(server)["rcl_scl"] == pytest.approx(0.75 * up.scalars["rcl_scl"])
+    assert torch.allclose(new["weights"]["classifier.1.weight"], w + 0.25, atol=1e-6)
+    assert alg.round_metrics(new)["rcl_scl"] == pytest.approx(0.75 * up.metrics["rcl_scl"])
+
+
+def test_no_batch_run_uploads_no_diagnostics() -> None:
+    """epochs = 0 (no batch): the upload carries the received model and no diagnostics to average."""
+    cls = ALGORITHMS.get("fedrcl")
+    alg = cls(cls.Params(), _ctx())
+    model = MODELS.get("cnn_fedproto")((1, 28, 28), 10)
+    payload = alg.broadcast(alg.init_server(model), RoundInfo(1, 0, 0))
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 0, 1, 1])
+    view, info = _view(x, y), RoundInfo(1, 0, 0)
+    scratch = Scratch(alg.init_scratch(model, payload, {}, view, info))
+    out = alg.finish_local(model, payload, {}, view, scratch, LocalResult(0, float("nan"), 0.1), info)
+    assert out.upload.metrics == {}
+    assert all(torch.equal(v, payload.arrays[k]) for k, v in out.upload.arrays.items())
 
 
 # ---------------------------------------------------------------------------------------------- learning
@@ -234,3 +300,6 @@ def test_fedrcl_learns_on_digits(tmp_path) -> None:
     assert final["accuracy"] >= 0.85, final
     record = json.loads((tmp_path / "rcl" / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0.0 <= record["rcl_active_pairs"] <= 1.0 and record["rcl_scl"] > 0.0
+    # the diagnostics are metrics, not counted: 8 rounds x 5 clients upload the float32 MLP only,
+    # (64·512 + 512) + (512·512 + 512) + (512·256 + 256) + (256·10 + 10) = 429,834 parameters
+    assert summary["bytes_up"] == 8 * 5 * 4 * 429_834

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithms.base import ALGORITHMS, MODEL_PREFIX, ClientView, Payload, RoundInfo, load_state
 from fedskew.algorithms.fedskc import (
     discrepancies,
     gda_weights,
@@ -19,11 +20,14 @@ from fedskew.algorithms.fedskc import (
     prototype_variance_change,
     structural_knowledge,
 )
+from fedskew.engine.client import train_client
+from fedskew.engine.loop import Simulation
+from fedskew.engine.types import ClientOutcome
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.models.base import embed_in_chunks
-from tests.conftest import digits_config, requires_data
+from tests.conftest import TinyLinearModel, digits_config, requires_data, tiny_context
 
 
 def hand_protos():
@@ -147,20 +151,56 @@ def skc_config(algorithm: dict, **over) -> dict:
     return digits_config(algorithm=algorithm, data=data, client=client, **over)
 
 
+def train_one(sim: Simulation, cid: int, round_idx: int = 1) -> tuple[Payload, ClientOutcome]:
+    """Broadcast to and train client ``cid`` of the committed state, as the sequential executor does."""
+    payload = sim.algorithm.broadcast(sim.server, RoundInfo(round_idx, cid, sim.seed))
+    return payload, train_client(sim.runtime, cid, round_idx, payload, sim.client_state(cid))
+
+
 def test_upload_is_silu_of_the_final_models_class_mean_logits():
     sim = build_simulation(build_config(skc_config({"name": "fedskc"}, rounds=1)))
-    outcome = sim.train_client(0, 1)
-    view = sim.client_view(0)
-    model = sim.model_for(0)
-    sim.algorithm.load_model(model, outcome.upload.payload, None)
+    payload, outcome = train_one(sim, 0)
+    assert outcome.upload is not None
+    up = outcome.upload.payload
+    view = sim.runtime.data.view(0)
+    model = sim.runtime.models.model_for(0)
+    load_state(model, sim.algorithm.eval_weights(up, None))
     model.eval()
     logits = embed_in_chunks(model, view.x)
     table, _ = structural_knowledge(logits, view.y, 10)
-    classes = outcome.upload.payload.tensors["classes"]
+    classes = up.arrays["classes"]
     assert classes.tolist() == torch.nonzero(view.class_counts > 0).flatten().tolist()
     means = torch.stack([logits[view.y == c].mean(0) for c in classes.tolist()])
-    assert torch.allclose(outcome.upload.payload.tensors["protos"], means * torch.sigmoid(means), atol=1e-6)
-    assert torch.allclose(table[classes], outcome.upload.payload.tensors["protos"], atol=1e-6)
+    assert torch.allclose(up.arrays["protos"], means * torch.sigmoid(means), atol=1e-6)
+    assert torch.allclose(table[classes], up.arrays["protos"], atol=1e-6)
+    # what crosses the network: no round number down, loss diagnostics up as metrics (not counted)
+    model_keys = {MODEL_PREFIX + k for k in model.state_dict()}
+    assert set(payload.arrays) == model_keys | {"protos", "has"} and payload.config == {}
+    assert set(up.arrays) == model_keys | {"classes", "protos"} and up.config == {}
+    assert set(up.metrics) == {"ce", "lcl", "lcl_u"}
+    assert up.metrics["ce"] > 0.0 and up.metrics["lcl"] == 0.0  # round 1: no c̃ yet, no LCL
+    model_bytes = 4 * sum(v.numel() for v in model.state_dict().values())  # float32 MLP, no buffers
+    k = classes.numel()
+    assert up.nbytes() == model_bytes + 8 * k + 4 * k * 10  # + int64 class ids + k float32 10-d logits
+
+
+def test_lcl_weight_ramps_with_the_round_given_by_the_runtime():
+    """The LCL weight of round r is min(1, r/warmup)·weight, from ``RoundInfo`` (no round is sent)."""
+    ctx = tiny_context()
+    cls = ALGORITHMS.get("fedskc")
+    model = TinyLinearModel()
+    server = cls(cls.Params(), ctx).init_server(model)
+    x, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    view = ClientView(0, x, y, torch.bincount(y, minlength=3))
+
+    def weight(r: int, **params) -> float:
+        alg = cls(cls.Params(**params), ctx)
+        payload = alg.broadcast(server, RoundInfo(r, 0, 0))
+        return float(alg.init_scratch(model, payload, {}, view, RoundInfo(r, 0, 0))["lcl_weight"])
+
+    assert [weight(r, lcl_weight=2.0, lcl_warmup=4) for r in (1, 2, 4, 9)] == [0.5, 1.0, 2.0, 2.0]
+    assert weight(1, lcl_weight=2.0) == 2.0  # no warm-up (the paper)
+    assert weight(5, lcl=False) == 0.0
 
 
 def test_all_components_off_is_fedavg(tmp_path):

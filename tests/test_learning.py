@@ -39,9 +39,7 @@ def test_baseline_learns_on_digits(name, hyper, protocol, floor):
         )
     )
     summary = run_experiment(cfg)
-    chance = 0.1
-    assert summary["final"]["accuracy"] >= floor, summary["final"]
-    assert summary["final"]["accuracy"] > chance + 0.5
+    assert summary["final"]["accuracy"] >= floor, summary["final"]  # chance is 0.1
 
 
 @requires_data
