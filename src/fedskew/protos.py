@@ -47,7 +47,7 @@ def class_means(values: Tensor, labels: Tensor, num_classes: int) -> tuple[Tenso
 @dataclass
 class ClassAccumulator:
     """Running per-class sums and counts, fed batch by batch (FedProto collects the last local epoch's
-    embeddings as it trains, spec §2.2 [code])."""
+    embeddings as it trains, as Algorithm 1 and the authors' code do)."""
 
     sums: Tensor  # [C, D] float64
     counts: Tensor  # [C] float64
@@ -70,7 +70,7 @@ class ClassAccumulator:
 
 def pack(table: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The rows of ``table`` whose ``counts`` are positive: ``(classes [P] int64, rows [P, ...],
-    counts [P] int64)`` — what a client uploads (only the classes it holds, spec §2.7)."""
+    counts [P] int64)`` — what a client uploads (only the classes it holds, as in FedProto)."""
     classes = torch.nonzero(counts > 0).flatten()
     return classes, table[classes], counts[classes].long()
 
@@ -87,10 +87,11 @@ def aggregate_prototypes(
     ``classes [P]``, ``protos [P, ...]``, ``counts [P]`` are the concatenated uploads of all clients (one row
     per (client, class)). ``mode``:
 
-    * ``weighted`` (spec §2.3 default): ``C̄_j = Σ_{i∈N_j} |D_ij| / Σ_{i'∈N_j} |D_i'j| · C_ij``;
+    * ``weighted`` (default): ``C̄_j = Σ_{i∈N_j} |D_ij| / Σ_{i'∈N_j} |D_i'j| · C_ij``;
     * ``mean`` (the authors' code): ``C̄_j = (1/|N_j|) Σ_{i∈N_j} C_ij``.
 
-    Never both factors (the printed Eq. 6 applies both, shrinking C̄_j by |N_j|; spec §2.3). Returns
+    Never both factors (the printed Eq. 6 applies both, shrinking C̄_j by |N_j|; see docs/decisions.md,
+    "FedProto: Eq. 6 aggregation weights"). Returns
     ``(table [C, ...], present [C] bool)``; a class no client uploaded has a zero row and ``present=False``.
     """
     if mode not in AGGREGATIONS:
@@ -114,7 +115,8 @@ def nearest_prototype_scores(x: Tensor, table: Tensor, mask: Tensor | None = Non
 
     ``table`` is ``[C, D]`` or ``[C, K, D]`` (the score of a class is that of its nearest prototype).
     ``mask`` (``[C]``, ``[C, K]`` or per-sample ``[N, C]``) excludes entries with score ``−inf`` (FedProto
-    restricts a client to its own classes, spec §2.6; +∞ distance instead of the code's sentinel 100, A19).
+    restricts a client to its own classes, as its authors' code; +∞ distance instead of the code's sentinel
+    100).
     ``argmax`` of the scores is the predicted class; squared distance gives the same argmin as L2 and MSE.
     """
     c = table.shape[0]

@@ -48,7 +48,7 @@ class FedDyn(Algorithm):
             0.01,
             gt=0.0,
             description="regularisation α (source: Acar et al. 2021 §5, searched over {0.1, 0.01, 0.001}; "
-            "FedEnt Table III uses 0.001)",
+            "FedEnt §6.1.3 uses 0.001)",
         )
 
     p: Params

@@ -9,22 +9,26 @@ epochs (Algorithm 2). It solves the mean-field optimal-control problem of Eqs. (
     η = c(η) (s − η G),   c(η) = β θ_i (1 + log p̄(η)) / ((1 − β) φ2(t+1)),   p̄(η) = θ_i ‖x − η g‖² / φ2(t+1)
 
 with ``x = φ1(t)``, ``g = ∇F_i(x)``, ``s = xᵀg``, ``G = ‖g‖²``; hence Eq. (24) ``η = max{0, c s / (1 + c G)}``
-(the paper prints ``‖g‖`` for ``‖g‖²``: option ``eq24="printed"``). ``p̄`` still depends on ``η``; we solve
-the scalar equation by damped substitution with a bracketed-root fallback and clip to ``[0, η_max]``
-(spec §4.5). The value used is the EMA of Eq. (37), ``η_i(t) = γ η_i(t−1) + (1 − γ) η_raw``, seeded with
-``η_i(−1) = client.lr``; aggregation is FedAvg's (Eq. 3).
+(the paper prints ``‖g‖`` for ``‖g‖²``: option ``eq24="printed"``). ``p̄`` still depends on ``η`` and the
+paper gives no procedure; we solve the scalar equation by damped substitution with a bracketed-root
+fallback and clip to ``[0, η_max]`` (docs/decisions.md, "FedEnt: solving the implicit Eq. (23)"). The value
+used is the EMA of Eq. (37), ``η_i(t) = γ η_i(t−1) + (1 − γ) η_raw``, seeded with ``η_i(−1) = client.lr``
+(docs/decisions.md, "FedEnt: initial rate η_i(−1)"); aggregation is FedAvg's (Eq. 3).
 
-Mean-field estimators (Definition 2, Eqs. 11–12). ``φ1(t)`` is the actual global model ``w(t)`` (spec A2).
-``φ2(t+1)`` is the scalar fixed point of Eq. (28),
-``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²``, solved by the server once per round (spec §3.9,
-§4.2). The paper evaluates it before training (Algorithm 1) with every client's gradient at every
-``φ1(t)``; the server here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous
-round's participants reported (see ``phi2_fixed_point`` and docs/algorithms.md). The full forward pass
-of Algorithm 1 with a gradient oracle is :func:`mean_field_trajectory`.
+Mean-field estimators (Definition 2, Eqs. 11–12). ``φ1(t)`` is the actual global model ``w(t)``, the
+quantity it estimates (docs/decisions.md, "FedEnt: which point φ1(t) is"). ``φ2(t+1)`` is the scalar fixed
+point of Eq. (28), ``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²`` (once φ1(t) and the gradients
+are known, the only unknown of Algorithm 1 at step t), solved by the server once per round. The paper
+evaluates it before training (Algorithm 1) with every client's gradient at every ``φ1(t)``; the server
+here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous round's participants
+reported (see ``phi2_fixed_point``, docs/algorithms.md and docs/decisions.md,
+"FedEnt: when φ2 is computed"). The full forward pass of Algorithm 1 with a gradient oracle is
+:func:`mean_field_trajectory`.
 
 FedCos (Eq. 59): FedAvg whose aggregation weights are the cosine similarities between local and global
 models. FedNorm (Eq. 61): FedEnt's machinery with the cost ``β Σ_j ‖w_i − w‖²`` in place of the entropy,
-whose Hamiltonian solution is ``η = max{0, (φ1(t) − φ1(t+1))ᵀ g / ((1 − β)/(β N) + ‖g‖²)}`` (spec §5.5).
+whose Hamiltonian solution is ``η = max{0, (φ1(t) − φ1(t+1))ᵀ g / ((1 − β)/(β N) + ‖g‖²)}`` (derived with
+the steps of the proof of Proposition 1, §4.2; the paper refers to Tu et al. 2022 for it).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ log = logging.getLogger("fedskew.algorithms.fedent")
 
 F64 = torch.float64
 PROBE_KEY = 0xE7E7  # seed key of the mini-batch that probes ∇F_i(w(t)) (Algorithm 2, line 4)
-PBAR_FLOOR = 1e-12  # spec A5.2: clamp p̄ to [1e-12, 1] before the log
+PBAR_FLOOR = 1e-12  # clamp p̄ to [1e-12, 1] before the log (a safeguard; not in paper)
 PHI_FLOOR = 1e-30  # φ2 > 0; a zero model would divide by zero
 SINGULAR = 1e-12  # |1 + cG| below this: the closed form is singular, use the root search
 PROBE_CHUNK = 1024  # chunk size of the full local gradient (probe="full")
@@ -102,7 +106,7 @@ def solve_eta(
     ``eta`` in ``[0, min(eta_max, bound)]``, always finite; ``branch`` is :data:`CLOSED_FORM` (damped
     substitution of ``η = max{0, c s / (1 + c K)}`` converged), :data:`BRACKETED_ROOT` (smallest root of
     the division-free residual ``η − c(η)(s − η K)`` by grid bracketing + bisection) or :data:`SATURATED`
-    (no root: the side the residual points to). ``K = G`` (algebra, spec A4) or ``√G`` (``printed_eq24``:
+    (no root: the side the residual points to). ``K = G`` (the algebra of Eq. 23) or ``√G`` (``printed_eq24``:
     Eq. 24 as printed). ``bound`` is the optional Eq. (18) clip.
     """
     s, G, X, theta, phi = torch.broadcast_tensors(_f64(s), _f64(G), _f64(X), _f64(theta), _f64(phi2_next))
@@ -115,7 +119,7 @@ def solve_eta(
     scale = beta * theta / ((1.0 - beta) * phi)  # c = scale · (1 + log p̄)
     terms = (s, G, X, theta, phi, scale, K)
 
-    # 1) damped substitution from η = 0 (spec §3.7): plain for 3 passes, then damped
+    # 1) damped substitution from η = 0 (not in paper): plain for 3 passes, then damped
     eta = torch.zeros_like(s)
     ok = torch.zeros_like(s, dtype=torch.bool)
     active = torch.ones_like(ok)
@@ -169,7 +173,7 @@ def solve_eta(
 def _c_of(
     eta: Tensor, s: Tensor, G: Tensor, X: Tensor, theta: Tensor, phi: Tensor, scale: Tensor, K: Tensor
 ) -> Tensor:
-    """``c(η) = β θ (1 + log p̄(η)) / ((1 − β) φ2)`` with ``p̄(η) = θ ‖x − ηg‖² / φ2`` clamped (spec A5.2)."""
+    """``c(η) = β θ (1 + log p̄(η)) / ((1 − β) φ2)`` with ``p̄(η) = θ ‖x − ηg‖² / φ2`` clamped to [1e-12, 1]."""
     sq = X - 2.0 * eta * s + eta * eta * G  # ‖x − ηg‖²
     p = (theta * sq / phi).clamp(PBAR_FLOOR, 1.0)
     return scale * (1.0 + torch.log(p))
@@ -179,7 +183,7 @@ def eq18_bound(
     theta: Tensor | float, X: Tensor | float, phi2_next: Tensor | float, beta: float, D: float
 ) -> Tensor:
     """The paper's upper bound, Eq. (18)/(25): ``2 β θ D ‖φ1‖ / ((1 − β) φ2(t+1))`` (rigorous only when
-    ``p̄ ≥ 1/e``, i.e. ``c ≥ 0``; spec §3.7)."""
+    ``p̄ ≥ 1/e``, i.e. ``c ≥ 0``: the step of Eq. (25) assumes ``|1 + log p| ≤ 2``, false for ``p < e^−3``)."""
     return (
         2.0 * beta * _f64(theta) * D * _f64(X).sqrt() / ((1.0 - beta) * _f64(phi2_next).clamp_min(PHI_FLOOR))
     )
@@ -253,10 +257,11 @@ def mean_field_trajectory(
     printed_eq24: bool = False,
     eta_max: float = 1.0,
 ) -> MeanField:
-    """Algorithm 1 as a single forward pass (spec §3.9/§4.2): for ``t = 0..T−1`` the only unknown is the
-    scalar ``φ2(t+1)`` (Eq. 28), then ``φ1(t+1) = φ1(t) − Σ_i θ_i η_i g_i`` (Eqs. 11, 16). ``grads_at(t, x)``
-    returns the ``[N, d]`` client gradients at ``x`` (fixed mini-batches make the map deterministic). The
-    result is a fixed point of the paper's map Γ (Eqs. 26–27) for the same gradients.
+    """Algorithm 1 as a single forward pass (its sweeps in Gauss–Seidel order, converged): for
+    ``t = 0..T−1`` the only unknown is the scalar ``φ2(t+1)`` (Eq. 28), then
+    ``φ1(t+1) = φ1(t) − Σ_i θ_i η_i g_i`` (Eqs. 11, 16). ``grads_at(t, x)`` returns the ``[N, d]`` client
+    gradients at ``x`` (fixed mini-batches make the map deterministic). The result is a fixed point of the
+    paper's map Γ (Eqs. 26–27) for the same gradients.
     """
     theta = _f64(theta)
     x = w0.detach().to(F64).reshape(-1)
@@ -294,7 +299,7 @@ def entropy_term(theta: Tensor, sq_norms: Tensor) -> float:
 
 
 def eta_fednorm(a: Tensor | float, G: Tensor | float, beta: float, n: int, eta_max: float = 1.0) -> Tensor:
-    """FedNorm's step size (Eq. 61 through the Hamiltonian steps of §3.6; spec §5.5, derived):
+    """FedNorm's step size (Eq. 61 through the Hamiltonian steps of Proposition 1's proof; derived):
     ``max{0, a / ((1 − β)/(β N) + G)}``, ``a = (φ1(t) − φ1(t+1))ᵀ g``, ``G = ‖g‖²``, clipped to η_max."""
     a, G = _f64(a), _f64(G)
     if beta == 0.0:  # no distance term: the quadratic penalty alone gives η = 0
@@ -351,12 +356,12 @@ class RateParams(HyperParams):
         "client.lr, i.e. FedAvg — an ablation)",
     )
     eta_max: float = Field(
-        1.0, gt=0.0, description="clip of the raw η (source: paper Eq. 7/§4.2 domain η ∈ [0, 1]; spec A5.4)"
+        1.0, gt=0.0, description="clip of the raw η (source: paper Eq. 7/§4.2, domain η ∈ [0, 1])"
     )
     probe: Literal["batch", "full"] = Field(
         "batch",
         description="gradient ∇F_i(w(t)) for η: one seeded mini-batch of client.batch_size (source: "
-        "Algorithm 2 line 4) or the full local gradient (spec A7: acceptable when cheap)",
+        "Algorithm 2 line 4) or the full local gradient (not in paper; affordable on small data)",
     )
 
 
@@ -371,24 +376,25 @@ class FedEnt(Algorithm):
     class Params(RateParams):
         eq24: Literal["consistent", "printed"] = Field(
             "consistent",
-            description="closed form η = c s / (1 + c‖g‖²) (algebra of Eq. 23; spec A4) or Eq. (24) as "
+            description="closed form η = c s / (1 + c‖g‖²) (algebra of Eq. 23) or Eq. (24) as "
             "printed, with ‖g‖ in place of ‖g‖² (ablation)",
         )
         fallback: Literal["root", "keep"] = Field(
             "root",
             description="singular / non-converged closed form: smallest root of Eq. (23) on [0, η_max] "
-            "(spec §4.5) or keep η_i(t−1), skipping the EMA update (spec A5.3 alternative)",
+            "(not in paper) or keep η_i(t−1), skipping the EMA update (more conservative)",
         )
         grad_bound: float | None = Field(
             None,
             gt=0.0,
             description="D of Assumption 1 for the optional Eq. (18) clip, e.g. Table II (40 MNIST, 6770 "
-            "EMNIST-L, 57 CIFAR10, 79 CIFAR100); None: no clip (spec A5.4: the bound is not rigorous)",
+            "EMNIST-L, 57 CIFAR10, 79 CIFAR100); None: no clip (the bound is not rigorous when p̄ < e^−3)",
         )
         phi2_estimator: Literal["fixed_point", "global_norm"] = Field(
             "fixed_point",
             description="φ2(t+1): the scalar fixed point of Eq. (28) over the previous round's reported "
-            "statistics (spec §3.9/§4.2), or ‖w(t)‖², the fixed point when every client's step is 0",
+            "statistics (the scalar step of Algorithm 1), or ‖w(t)‖², the fixed point when every "
+            "client's step is 0",
         )
         phi2_tol: float = Field(
             1e-3, gt=0.0, description="ε2 of Algorithm 1 for the φ2 fixed point (source: paper §4.3, 1e-3)"
@@ -443,7 +449,7 @@ class FedEnt(Algorithm):
         etas[cids.to(dev)] = eta.to(dev)  # clients that were not sampled keep theirs
         states = [u.payload.model_state() for u in uploads]
         sq = torch.tensor([_sq_norm(st, names) for st in states], dtype=F64)
-        # client drift ‖w_i,E(t) − w(t+1)‖ (spec §5.6; Prop. 4)
+        # client drift ‖w_i,E(t) − w(t+1)‖ (bounded by Prop. 4)
         drift = torch.tensor([math.sqrt(_sq_dist(st, new, names)) for st in states], dtype=F64)
         pre = self.name
         diag = {
@@ -501,7 +507,7 @@ class FedEnt(Algorithm):
     def probe_gradient(
         self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
     ) -> list[Tensor]:
-        """``∇F_i(w(t))`` in train mode (spec §4.4 step 3.2) without disturbing local training: the RNG is
+        """``∇F_i(w(t))`` in train mode (Algorithm 2 line 4) without disturbing local training: the RNG is
         forked (dropout masks of training stay those of FedAvg) and buffers are restored afterwards."""
         params = list(model.parameters())
         n = client.num_samples
@@ -600,8 +606,8 @@ class FedNorm(FedEnt):
     class Params(RateParams):
         step_estimate: Literal["mean_field", "global_step"] = Field(
             "mean_field",
-            description="φ1(t) − φ1(t+1): the one-step mean-field fixed point of Algorithm 1 from the spec's "
-            "initial guess, which is 0 (so η_raw = 0; derived), or the last observed global step "
+            description="φ1(t) − φ1(t+1): the one-step mean-field fixed point of Algorithm 1 from the "
+            "initial guess φ1 = w(0), which is 0 (so η_raw = 0; derived), or the last observed global step "
             "w(t−1) − w(t), broadcast as a vector (not in paper: a non-degenerate estimate)",
         )
 
@@ -653,7 +659,7 @@ class FedCos(Algorithm):
         sample_weighted: bool = Field(
             False,
             description="multiply the cosine weights by n_i before normalising (not in paper; default: "
-            "cosines clamped at 0 and normalised over the sampled clients, spec §5.5)",
+            "cosines clamped at 0 and normalised over the sampled clients, as Eq. 59 leaves open)",
         )
 
     p: Params

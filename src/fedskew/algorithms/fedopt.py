@@ -109,19 +109,19 @@ class AdaptiveParams(HyperParams):
     server_lr: float = Field(
         1e-2,
         gt=0.0,
-        description="server learning rate η (source: Reddi et al. 2021 §5, tuned on a grid; "
-        "FedEnt spec recommends 1e-2, tune in {1e-3, 1e-2, 1e-1})",
+        description="server learning rate η (source: Reddi et al. 2021 §5, tuned on a grid; FedEnt gives no "
+        "value: 1e-2 is our default, tune in {1e-3, 1e-2, 1e-1})",
     )
     beta1: float = Field(
         0.9,
         ge=0.0,
         lt=1.0,
-        description="first-moment decay β1 (source: Reddi et al. 2021 §5; FedEnt Table III)",
+        description="first-moment decay β1 (source: Reddi et al. 2021 §5; FedEnt §6.1.3)",
     )
     tau: float = Field(
         1e-3,
         gt=0.0,
-        description="adaptivity τ (source: Reddi et al. 2021 Alg. 2; 1e-3 as in FedEnt Table III)",
+        description="adaptivity τ (source: Reddi et al. 2021 Alg. 2; 1e-3 as in FedEnt §6.1.3)",
     )
 
 
@@ -130,7 +130,7 @@ class AdamParams(AdaptiveParams):
         0.99,
         ge=0.0,
         lt=1.0,
-        description="second-moment decay β2 (source: Reddi et al. 2021 §5; FedEnt Table III)",
+        description="second-moment decay β2 (source: Reddi et al. 2021 §5; FedEnt §6.1.3)",
     )
 
 

@@ -9,7 +9,7 @@ cross-entropy; it is evaluated with the received base and its own personal layer
 * ``head``: the classifier (the model's ``classifier.*`` parameters), FedPer's usual setting;
 * ``linear``: every fully connected layer, the convolutional layers shared — the split of the FedProto
   authors' helper (``fc*`` personal) that matches their Table 1 count of 20 × 5,280 communicated parameters on
-  MNIST (spec fedproto §4.7, §5.2).
+  MNIST (docs/decisions.md, "FedPer: which layers are personal").
 """
 
 from __future__ import annotations

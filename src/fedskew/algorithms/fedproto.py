@@ -5,26 +5,28 @@ embedding size d_c) across rounds and trains it on
 
     L = L_S(F_i(x), y) + λ · L_R,   L_R = (1/(B·d_c)) Σ_b 1[C̄^(y_b) exists] ‖f_i(x_b) − C̄^(y_b)‖²   (Eq. 7–8)
 
-— the per-sample MSE of the authors' code (spec §2.5), against the detached global prototypes of the client's
-classes. It uploads one prototype per class it holds (Eq. 3, the mean embedding), and the server averages
-them class by class over the clients holding each class (Eq. 6, spec §2.3). Inference (Eq. 4) labels a
-sample with its nearest global prototype among the client's own classes (spec §2.6 [code]); the classifier
-``g_i`` is recorded as a second head (``accuracy_logits``).
+— the per-sample MSE of the authors' code (the appendix's per-sample form), against the detached global
+prototypes of the client's classes. It uploads one prototype per class it holds (Eq. 3, the mean
+embedding), and the server averages them class by class over the clients holding each class (Eq. 6, with
+one normalisation only: the printed formula applies two). Inference (Eq. 4) labels a sample with its
+nearest global prototype among the client's own classes (as the authors' code does); the classifier ``g_i``
+is recorded as a second head (``accuracy_logits``).
 
-Options, with the spec's defaults first:
+Options, defaults first (the reasons are in docs/decisions.md, "FedProto: ..." entries):
 
-* ``aggregation``: ``weighted`` by per-class sample counts (spec A1) or ``mean`` (the authors' code);
+* ``aggregation``: ``weighted`` by per-class sample counts or ``mean`` (the authors' code);
 * ``proto_source``: ``last_epoch`` (train-mode embeddings collected while training the last local epoch,
-  Algorithm 1 and the code, spec A4) or ``recompute`` (an eval-mode pass over the local data after training);
+  Algorithm 1 and the code) or ``recompute`` (an eval-mode pass over the local data after training);
 * ``regularizer``: ``sample`` (per-sample MSE, the code; λ=1/1/0.1 are calibrated for it) or ``prototype``
   (``Σ_j (n_j/B)·mean_d (h̄_j − C̄_j)²`` over the batch's classes: the prototype-level distance of Eq. 8,
-  i.e. the sample form minus its within-class scatter term; an ablation, spec A2);
+  i.e. the sample form minus its within-class scatter term; an ablation);
 * ``eval_classes``: ``own`` (the client's classes, the code) or ``all`` (every global prototype).
 
-Round 1 starts from an empty prototype set (spec A3), so it is pure cross-entropy training; with λ = 0
-FedProto is exactly :mod:`local` (spec §7.1). Classes absent from a round's uploads (partial participation)
-keep their previous global prototype. Differences from the code: no ``drop_last`` (the engine drops only a
-trailing batch of one), exclusion by +∞ distance rather than the sentinel 100 (A19).
+Round 1 starts from an empty prototype set, not zero vectors (Algorithm 1 line 1 leaves it open; see
+docs/decisions.md, "FedProto: initial global prototypes"), so it is pure cross-entropy training; with
+λ = 0 FedProto is exactly :mod:`local`. Classes absent from a round's uploads (partial participation) keep
+their previous global prototype. Differences from the code: no ``drop_last`` (the engine drops only a
+trailing batch of one), exclusion by +∞ distance rather than the code's sentinel 100.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, fo
     ``has [C]`` which exist.
 
     ``sample``: ``nn.MSELoss`` between ``h`` and the rows ``C̄^(y_b)``, a sample without a global prototype
-    contributing zero but counting in the mean (spec §2.5 [code]). ``prototype``: per batch class j with a
+    contributing zero but counting in the mean (the authors' code). ``prototype``: per batch class j with a
     global prototype, ``(n_j/B) · mean_d (h̄_j − C̄_j)²``.
     """
     if form == "sample":
@@ -84,7 +86,7 @@ class FedProto(Algorithm):
 
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
-    heterogeneous_models: ClassVar[bool] = True  # only prototypes are shared (§3.1)
+    heterogeneous_models: ClassVar[bool] = True  # only prototypes are shared (Algorithm 1)
     vectorizable: ClassVar[bool] = True  # dense prototype table and last-epoch sums in init_scratch
     loss_reads: ClassVar[frozenset[str]] = frozenset()  # the loss reads only its init_scratch tensors
 
@@ -92,19 +94,23 @@ class FedProto(Algorithm):
         lam: float = Field(
             1.0,
             ge=0.0,
-            description="λ, weight of the prototype regularizer (Eq. 7; source: §5 and spec §4.6: 1 on "
-            "MNIST and FEMNIST, 0.1 on CIFAR-10)",
+            description="λ, weight of the prototype regularizer (Eq. 7; source: paper Appendix A, "
+            "Experimental Details: 1 on MNIST and FEMNIST, 0.1 on CIFAR-10)",
         )
         aggregation: Literal["weighted", "mean"] = Field(
-            "weighted", description="Eq. 6 weights: per-class sample counts (spec A1) or plain mean (code)"
+            "weighted",
+            description="Eq. 6 weights: per-class sample counts (convex weights, as the appendix's theory) "
+            "or plain mean (authors' code)",
         )
         proto_source: Literal["last_epoch", "recompute"] = Field(
             "last_epoch",
             description="local prototypes from the last epoch's training embeddings (Alg. 1, code) or an "
-            "eval-mode pass after training (spec A4)",
+            "eval-mode pass after training (cleaner: no dropout, no drift within the epoch)",
         )
         regularizer: Literal["sample", "prototype"] = Field(
-            "sample", description="L_R form: per-sample MSE (code, spec A2) or prototype-level distance"
+            "sample",
+            description="L_R form: per-sample MSE (authors' code, appendix; λ is calibrated for it) or the "
+            "prototype-level distance of Eq. 8",
         )
         eval_classes: Literal["own", "all"] = Field(
             "own", description="nearest-prototype candidates: the client's classes (code) or all classes"
@@ -114,7 +120,7 @@ class FedProto(Algorithm):
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
-        # The server holds prototypes only, never a model (spec §3.2 "the server holds no model").
+        # The server holds prototypes only, never a model (Algorithm 1: only prototypes are exchanged).
         dim = embedding_dim(model, self.name)
         c = self.ctx.num_classes
         return {

@@ -40,7 +40,7 @@ class FedProx(Algorithm):
             0.01,
             ge=0.0,
             description="proximal weight μ (source: Li et al. 2020 Eq. 2, tuned over {0.001, 0.01, 0.1, 1}; "
-            "0.01 as in FedEnt Table III, MP-FedCL A16 and FedSKC's setup)",
+            "0.01 as in FedEnt §6.1.3; MP-FedCL and FedSKC give no μ and use it too)",
         )
 
     p: Params

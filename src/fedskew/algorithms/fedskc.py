@@ -1,21 +1,24 @@
 """FedSKC (Wang et al., "FedSKC: Federated Learning with Non-IID Data via Structural Knowledge
-Collaboration"), implemented after ``shared/specs/fedskc.md``.
+Collaboration").
 
-Structural knowledge lives in the C-dimensional **logit** space (spec §2.0, S1):
+Structural knowledge lives in the C-dimensional **logit** space: the paper defines it with the full model's
+output ``f_k(w_k; x)`` (§III-A), calls it "the normalized pre-softmax output" (§III-D), and GPR takes a
+variance over its C entries (Eq. 5); see docs/decisions.md, "FedSKC: space of the structural knowledge".
 
-* **Local structural knowledge** (§2.1): after local training each client computes, per class it holds, the
+* **Local structural knowledge** (§III-A): after local training each client computes, per class it holds, the
   mean logit vector of its final model and applies SiLU, ``c_k^j = c̄ ⊙ σ(c̄)``.
-* **Global structural knowledge** (Eq. 1, §2.2): per class, each participant's prototype is averaged with
+* **Global structural knowledge** (Eq. 1, §III-A): per class, each participant's prototype is averaged with
   those of its ``M`` nearest other participants (L2), and the merged prototypes are averaged.
-* **Local Contrastive Learning** (Eqs. 2–3, §2.3): ``L = L_CE + L_LCL`` with
+* **Local Contrastive Learning** (Eqs. 2–3, §III-B): ``L = L_CE + L_LCL`` with
   ``L_LCL = CE([s(l_i, c̃^1)/τ, …, s(l_i, c̃^C)/τ], y_i)`` and ``s(l, c) = cos(l, c) / U_j``.
-* **Global Discrepancy Aggregation** (Eq. 4, §2.5): ``d_k = Σ_j ‖c_k^j − c̃^j‖``, ``a_k = d_k/Σd``,
+* **Global Discrepancy Aggregation** (Eq. 4, §III-B): ``d_k = Σ_j ‖c_k^j − c̃^j‖``, ``a_k = d_k/Σd``,
   ``b_k = N_k/ΣN``, ``e_k ∝ σ(N_k − a_k d_k + b_k)``, ``w = Σ e_k w_k``.
-* **Global Period Review** (Eq. 5, §2.6): ``γ_r`` = relative change of the summed per-class variance of the
+* **Global Period Review** (Eq. 5, §III-B): ``γ_r`` = relative change of the summed per-class variance of the
   global prototypes; ``w ← β w_agg + (1−β) γ_r (w_prev − w_agg)``.
 
-Two printed formulas are degenerate (spec G1, P1), so both forms are options and the logs show the
-difference:
+Two printed formulas are degenerate (Eq. 4 saturates, Eq. 5 is not a convex combination), so both forms
+are options and the logs show the difference (docs/decisions.md, "FedSKC: GDA weights saturate (Eq. 4)" and
+"FedSKC: Eq. 5 is not a convex combination"):
 
 * ``gda_mode``: ``literal`` (raw ``N_k`` in the sigmoid: saturates to exactly uniform weights whenever
   ``N_k ≳ 37``; default) or ``relative`` (``N_k → b_k``, i.e. ``σ(2 b_k − a_k d_k)``, the FedDisco form). In
@@ -26,14 +29,15 @@ difference:
   cost 20–40 points) or ``affine`` (``w_agg + (1−β) γ_r (w_prev − w_agg)``, a server step adapted to the
   prototype variance; default).
 
-Open points, as the spec recommends (§6): prototypes from an eval-mode pass over the local data after
-training (S3); only present classes are uploaded, Eq. (1) runs over the participants holding the class with
-``M_eff = min(M, |P_j| − 1)``, absent classes carry over (S4); ``U_j`` per mini-batch, detached (L1, with
-``u_mode`` alternatives); LCL skipped until prototypes exist and restricted to classes with one (L3); batch
-means for both losses (L4); GDA on the server with the fresh ``c̃_r`` (G3) applied to every floating state
-entry (G2); GPR skipped in round 1, ``w_prev`` = the model broadcast this round (P2), population variance
-over the classes present in both rounds (P3). Component switches ``lcl``/``gda``/``gpr`` give Table V's
-ablation (all off is FedAvg).
+Points the paper leaves open (each an entry "FedSKC: ..." in docs/decisions.md): prototypes from an
+eval-mode pass over the local data after training (Algorithm 1 computes them after the local epochs); only
+present classes are uploaded, Eq. (1) runs over the participants holding the class with
+``M_eff = min(M, |P_j| − 1)``, absent classes carry over; ``U_j`` per mini-batch, detached (``u_mode``
+gives the other readings of Eq. 2); LCL skipped until prototypes exist and restricted to classes with one;
+batch means for both losses; GDA on the server with the fresh ``c̃_r`` (Algorithm 1) applied to every
+floating state entry; GPR skipped in round 1, ``w_prev`` = the model broadcast this round, population
+variance (as Eq. 5 writes it) over the classes present in both rounds. Component switches
+``lcl``/``gda``/``gpr`` give Table V's ablation (all off is FedAvg).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ _EPS = 1e-8
 def structural_knowledge(
     logits: Tensor, labels: Tensor, num_classes: int, silu: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """Local structural knowledge (§2.1): per-class mean logit vectors ``[C, C]``, then ``c ⊙ σ(c)``.
+    """Local structural knowledge (§III-A): per-class mean logit vectors ``[C, C]``, then ``c ⊙ σ(c)``.
 
     Returns ``(table, counts)``; classes without samples have a zero row and count 0.
     """
@@ -84,8 +88,9 @@ def merge_nearest(protos: Tensor, present: Tensor, m: int) -> tuple[Tensor, Tens
 
     ``protos [K, C, D]`` client prototypes, ``present [K, C]`` which exist. For class j, participant k's
     merged prototype is the mean of its own and its ``M_eff = min(M, |P_j| − 1)`` nearest other participants'
-    prototypes (L2; spec S4b), and ``c̃^j`` is the mean of the merged prototypes over ``P_j``. Returns
-    ``(global [C, D], has [C])``; classes nobody holds have a zero row and ``has=False``.
+    prototypes (L2; only the participants ``P_j`` holding class j take part), and ``c̃^j`` is the mean of the
+    merged prototypes over ``P_j``. Returns ``(global [C, D], has [C])``; classes nobody holds have a zero row
+    and ``has=False``.
     """
     k, c, _ = protos.shape
     per_class = protos.transpose(0, 1)  # [C, K, D]
@@ -116,8 +121,9 @@ def merge_nearest(protos: Tensor, present: Tensor, m: int) -> tuple[Tensor, Tens
 def discrepancies(
     protos: Tensor, present: Tensor, glob: Tensor, has: Tensor, per_class: bool = False
 ) -> Tensor:
-    """``d_k = Σ_j ‖c_k^j − c̃^j‖₂`` over the client's classes that have a global prototype (Alg. 1 l. 18,
-    spec S4d); ``per_class=True`` rescales by ``C / |present_k|``. Returns ``[K]`` float64."""
+    """``d_k = Σ_j ‖c_k^j − c̃^j‖₂`` over the client's classes that have a global prototype (Alg. 1 l. 18;
+    absent classes add nothing); ``per_class=True`` rescales by ``C / |present_k|``. Returns ``[K]``
+    float64."""
     use = present & has[None]
     dist = (protos.double() - glob.double()[None]).norm(dim=-1) * use
     d = dist.sum(1)
@@ -128,7 +134,8 @@ def discrepancies(
 
 def gda_weights(d: Tensor, n: Tensor, mode: str = "literal") -> Tensor:
     """Eq. (4): ``e_k = σ(N_k − a_k d_k + b_k) / Σ_i σ(N_i − a_i d_i + b_i)`` with ``a_k = d_k/Σd`` and
-    ``b_k = N_k/ΣN`` over the participants. ``mode="relative"`` uses ``b_k`` for ``N_k`` (spec G1)."""
+    ``b_k = N_k/ΣN`` over the participants. ``mode="relative"`` uses ``b_k`` for ``N_k`` (raw counts
+    saturate the sigmoid)."""
     d, n = d.double(), n.double()
     a = d / d.sum() if float(d.sum()) > 0 else torch.zeros_like(d)
     b = n / n.sum()
@@ -138,8 +145,8 @@ def gda_weights(d: Tensor, n: Tensor, mode: str = "literal") -> Tensor:
 
 
 def prototype_variance_change(glob: Tensor, prev: Tensor, common: Tensor) -> float:
-    """``γ_r = Σ_j (σ²_{r,j} − σ²_{r−1,j}) / Σ_j σ²_{r−1,j}`` (§2.6) over the ``common`` classes, with the
-    population variance of each prototype's C entries (spec P3)."""
+    """``γ_r = Σ_j (σ²_{r,j} − σ²_{r−1,j}) / Σ_j σ²_{r−1,j}`` (Eq. 5) over the ``common`` classes, with the
+    population variance (1/C, as the paper writes it) of each prototype's C entries."""
     var_now = glob[common].double().var(dim=1, unbiased=False)
     var_prev = prev[common].double().var(dim=1, unbiased=False)
     denom = float(var_prev.sum())
@@ -149,7 +156,7 @@ def prototype_variance_change(glob: Tensor, prev: Tensor, common: Tensor) -> flo
 def period_review(
     aggregated: dict[str, Tensor], previous: dict[str, Tensor], gamma: float, beta: float, form: str
 ) -> dict[str, Tensor]:
-    """Eq. (5) on every floating entry (integer buffers keep the aggregate, spec P1):
+    """Eq. (5) on every floating entry (integer buffers such as BatchNorm counters keep the aggregate):
     ``literal``: ``β w_agg + (1−β) γ (w_prev − w_agg)``; ``affine``: ``w_agg + (1−β) γ (w_prev − w_agg)``."""
     scale = beta if form == "literal" else 1.0
     step = (1.0 - beta) * gamma
@@ -166,8 +173,8 @@ def lcl_loss(
     logits: Tensor, labels: Tensor, glob: Tensor, has: Tensor, tau: float, u: Tensor | None
 ) -> Tensor:
     """Eqs. (2)–(3): InfoNCE of each logit vector against the global prototypes, as
-    ``CE([cos(l_i, c̃^j)/U_j/τ]_j, y_i)`` over the classes with a prototype (spec L2–L3). ``u [C]`` is the
-    normaliser (``None``: per-batch ``U_j = mean_i ‖l_i − c̃^j‖``, detached, spec L1). Samples whose class has
+    ``CE([cos(l_i, c̃^j)/U_j/τ]_j, y_i)`` (a stable log-sum-exp) over the classes with a prototype. ``u [C]``
+    is the normaliser (``None``: per-batch ``U_j = mean_i ‖l_i − c̃^j‖``, detached). Samples whose class has
     no prototype are dropped; returns 0 if none is left."""
     classes = torch.nonzero(has).flatten()
     keep = has[labels]
@@ -199,26 +206,31 @@ class FedSKC(Algorithm):
         )
         u_mode: Literal["batch", "round", "scalar", "none"] = Field(
             "batch",
-            description="U of Eq. (2): per-batch U_j (spec L1), per-round U_j over D^k with the received "
-            "model, one per-batch scalar, or none (pure cosine, the public code)",
+            description="U of Eq. (2): per-batch U_j (detached; the paper's per-dataset mean moves with "
+            "every step), per-round U_j over D^k with the received model, one per-batch scalar, or none "
+            "(pure cosine, the public code)",
         )
-        silu_anchor: bool = Field(False, description="also apply SiLU to the anchors l_i (spec S2 ablation)")
-        silu_protos: bool = Field(True, description="SiLU on the local prototypes (§2.1; off in public code)")
+        silu_anchor: bool = Field(
+            False, description="also apply SiLU to the anchors l_i (ablation; the paper: c_k only)"
+        )
+        silu_protos: bool = Field(
+            True, description="SiLU on the local prototypes (§III-A; off in the public code)"
+        )
         gda: bool = Field(True, description="global discrepancy aggregation on (off: FedAvg's n_k/n weights)")
         gda_mode: Literal["literal", "relative"] = Field(
             "literal",
             description="Eq. (4) with raw N_k (literal: uniform weights once N_k > ~37) or the relative size "
-            "b_k (spec G1)",
+            "b_k (the FedDisco form GDA follows)",
         )
         discrepancy: Literal["sum", "per_class"] = Field(
-            "sum", description="d_k over the client's classes (spec S4d) or rescaled by C/|present_k|"
+            "sum", description="d_k over the client's classes (public code) or rescaled by C/|present_k|"
         )
         gpr: bool = Field(True, description="global period review on (Table V ablation switch)")
         gpr_form: Literal["literal", "affine"] = Field(
-            "affine", description="Eq. (5) as printed (sums to β: shrinks the model) or sum-to-one (spec P1)"
+            "affine", description="Eq. (5) as printed (sums to β: shrinks the model) or its sum-to-one form"
         )
         gamma_clip: float | None = Field(
-            None, gt=0.0, description="clamp γ_r to [−clip, clip] (spec P1 optional safety; not in paper)"
+            None, gt=0.0, description="clamp γ_r to [−clip, clip] (an optional safety; not in paper)"
         )
 
     p: Params
@@ -251,7 +263,7 @@ class FedSKC(Algorithm):
             local[i, cls] = u.payload.arrays["protos"].to(dev)
             present[i, cls] = True
         glob, has = merge_nearest(local, present, self.p.m)
-        glob = torch.where(has[:, None], glob, server["protos"])  # spec S4c: carry absent classes over
+        glob = torch.where(has[:, None], glob, server["protos"])  # carry absent classes over (not in paper)
         has = has | server["has"]
 
         n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
@@ -263,7 +275,7 @@ class FedSKC(Algorithm):
 
         common = has & server["has"]
         gamma = float("nan")
-        if self.p.gpr and bool(common.any()):  # round 1 has no c̃_{r−1} (spec P2)
+        if self.p.gpr and bool(common.any()):  # round 1 has no c̃_{r−1} (Eq. 5 needs it)
             gamma = prototype_variance_change(glob, server["protos"], common)
             if self.p.gamma_clip is not None:
                 gamma = max(-self.p.gamma_clip, min(self.p.gamma_clip, gamma))
@@ -346,7 +358,7 @@ class FedSKC(Algorithm):
         return loss
 
     def _normaliser(self, anchor: Tensor, glob: Tensor, has: Tensor, scratch: Scratch) -> Tensor:
-        """``U`` per class, ``[C]`` (Eq. 2 and spec L1)."""
+        """``U`` per class, ``[C]`` (Eq. 2, read as ``u_mode`` says)."""
         if self.p.u_mode == "none":
             return torch.ones(glob.shape[0], dtype=anchor.dtype, device=anchor.device)
         if self.p.u_mode == "round":
@@ -366,7 +378,8 @@ class FedSKC(Algorithm):
         result: LocalResult,
         info: RoundInfo,
     ) -> LocalOutput:
-        # Spec S3: an eval-mode pass over the local data with the final model (no augmentation).
+        # An eval-mode pass over the local data with the final model (no augmentation): Algorithm 1 computes
+        # c_k after the local epochs; see docs/decisions.md, "FedSKC: how local prototypes are computed".
         model.eval()
         logits = embed_in_chunks(model, client.x)
         model.train()

@@ -9,18 +9,20 @@ averages the weights (FedAvg, Alg. 1 line 9) and keeps every centroid in a pool 
 never averaged). Clients rebuild the dense padded pool ``P [N, C, K, d]`` of Eqs. (9)–(10) from it: a
 (client, class) with fewer than K centroids gets the class mean ``Ū_j`` of the pool in all K slots.
 
-``L_R`` (spec §3.6): for each slice (i, k) of the pool, which holds one prototype per class, a softmax
-cross-entropy over the C classes of ``v·u_{i,a}^k / τ`` with the sample's own class as the positive (A1),
-averaged over the N·K slices and over the batch (A2). Prototypes are constants. Round 1 has an empty pool,
-so ``L_R = 0`` (A6). Inference (Eq. 13) labels a test sample with the class of its nearest prototype (L2)
-in the real, unpadded pool (A10), using the client's locally updated model (A9); the classifier is recorded
-as a second head. Embeddings are L2-normalised by default (A3), so k-means, ``L_R`` and inference all see
-unit vectors. The learning-rate decay of 0.95 per round is the engine's ``client.lr_decay`` (A7).
+``L_R`` (Eq. 11 read slice by slice): for each slice (i, k) of the pool, which holds one prototype per
+class, a softmax cross-entropy over the C classes of ``v·u_{i,a}^k / τ`` with the sample's own class as the
+positive (as the proof of Lemma 2 and §II's stated goal require), averaged over the N·K slices and over the
+batch. Prototypes are constants. Round 1 has an empty pool, so ``L_R = 0``. Inference (Eq. 13) labels a
+test sample with the class of its nearest prototype (L2) in the real, unpadded pool (Eq. 8), using the
+client's locally updated model; the classifier is recorded as a second head. Embeddings are L2-normalised
+by default, so k-means, ``L_R`` and inference all see unit vectors (τ = 0.07 assumes unit-norm features).
+The learning-rate decay of 0.95 (Table IV) is applied per round by the engine's ``client.lr_decay``.
+Each of these readings has an entry "MP-FedCL: ..." in docs/decisions.md.
 
-Named options keep the paper-literal readings available: ``positives: others`` (P(y) = "labels distinct
-from y", A1), ``reduction: sum`` (Eq. 11's sum over samples, A2), ``normalize: false`` (A3),
-``eval_weights: global`` (A9), ``eval_pool: padded`` (A10), ``padding: fill`` (A5 option), ``loss_form:
-pooled`` (Variant B), ``proto_source: recompute`` (A4 option), ``kmeans_init: kmeans++`` (A13 option).
+Named options keep the other readings available: ``positives: others`` (P(y) = "labels distinct from y"
+as printed), ``reduction: sum`` (Eq. 11's sum over samples), ``normalize: false``, ``eval_weights:
+global``, ``eval_pool: padded``, ``padding: fill``, ``loss_form: pooled`` (SupCon over the whole pool),
+``proto_source: recompute``, ``kmeans_init: kmeans++``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def pad_pool(
 
     ``N`` counts the clients that have prototypes in the pool (in client-id order). ``Ū_j`` is the mean of
     every prototype of class j (Eq. 9). ``literal``: a (client, class) with fewer than ``k`` prototypes gets
-    ``Ū_j`` in all ``k`` slots (Eq. 10, spec A5); ``fill``: its real prototypes are kept and only the empty
+    ``Ū_j`` in all ``k`` slots (Eq. 10 as printed); ``fill``: its real prototypes are kept and only the empty
     slots get ``Ū_j``. ``k`` is raised to the largest count in the pool (DBSCAN gives varying counts).
     """
     _, owner_idx = torch.unique(owners, return_inverse=True)
@@ -111,11 +113,11 @@ def prototype_contrastive_loss(
     positives: str = "own",
     reduction: str = "mean",
 ) -> Tensor:
-    """``L_R`` of Eq. (11) in the slice form of spec §3.6: ``z [B, d]``, ``pool [N, C, K, d]`` (constants).
+    """``L_R`` of Eq. (11), one softmax per pool slice: ``z [B, d]``, ``pool [N, C, K, d]`` (constants).
 
     For every slice (i, k): ``−log softmax_a(z·P[i, a, k] / τ)[y]``, averaged over the N·K slices; then the
-    batch mean (A2) or sum (``reduction: sum``, Eq. 11 literally). ``positives: others`` is the literal
-    P(y) = [C]∖{y}: the mean over the other classes replaces the own class (A1; it pushes samples towards
+    batch mean (default) or sum (``reduction: sum``, Eq. 11 literally). ``positives: others`` is the printed
+    P(y) = [C]∖{y}: the mean over the other classes replaces the own class (it pushes samples towards
     the wrong classes). Classes absent from the pool are left out of the softmax; samples of such a class
     contribute nothing.
     """
@@ -136,8 +138,8 @@ def prototype_contrastive_loss(
 def pooled_contrastive_loss(
     z: Tensor, y: Tensor, pool: Tensor, present: Tensor, tau: float = 0.07, reduction: str = "mean"
 ) -> Tensor:
-    """Variant B of spec §3.6 (SupCon over the whole pool): ``−mean_{p∈Q_y} log(exp(z·p/τ) / Σ_{q∈Q}
-    exp(z·q/τ))`` over all N·C·K padded prototypes Q; suits varying prototype counts (DP-FedCL, A12)."""
+    """Pooled reading of Eq. (11) (SupCon over the whole pool): ``−mean_{p∈Q_y} log(exp(z·p/τ) / Σ_{q∈Q}
+    exp(z·q/τ))`` over all N·C·K padded prototypes Q; suits varying prototype counts (DP-FedCL)."""
     n, c, k, d = pool.shape
     labels = torch.arange(c, device=z.device).repeat_interleave(k).repeat(n)  # class of each flat entry
     flat = pool.detach().reshape(-1, d)
@@ -151,8 +153,8 @@ def cluster_class(
     v: Tensor, method: str, k: int, generator: torch.Generator, kmeans_init: str, eps: float, min_samples: int
 ) -> Tensor:
     """Prototypes of one class's embeddings ``v [n, d]``: K k-means centroids (Eq. 7; ``min(K, n)`` when
-    n < K, spec A5), the mean (SP-FedCL), or DBSCAN cluster means with the class mean when DBSCAN finds no
-    cluster (DP-FedCL, spec A12; noise points ignored)."""
+    n < K), the mean (SP-FedCL), or DBSCAN cluster means with the class mean when DBSCAN finds no cluster
+    (DP-FedCL, whose settings the paper does not give; noise points ignored)."""
     if method == "mean" or v.shape[0] == 1:
         return v.mean(0, keepdim=True)
     if method == "kmeans":
@@ -179,41 +181,45 @@ class MPFedCL(Algorithm):
         k: int = Field(
             2,
             ge=1,
-            description="K, prototypes per class and client (MNIST 2, Digit-5/Office 4, DomainNet 3; §5.6)",
+            description="K, prototypes per class and client (source: paper §V-C, Fig. 5: MNIST 2, "
+            "Digit-5/Office 4, DomainNet 3)",
         )
         clustering: Literal["kmeans", "mean", "dbscan"] = Field(
-            "kmeans", description="Eq. 7 k-means; mean (SP-FedCL); DBSCAN (DP-FedCL, spec A12)"
+            "kmeans", description="Eq. 7 k-means; mean (SP-FedCL, §V); DBSCAN (DP-FedCL, §V)"
         )
         tau: float = Field(0.07, gt=0, description="temperature τ of Eq. 11 (Table IV)")
         weight: float = Field(1.0, ge=0, description="weight of L_R in Eq. 12 (paper: 1, no λ)")
-        normalize: bool = Field(True, description="L2-normalise the 256-d embedding (spec A3)")
+        normalize: bool = Field(
+            True, description="L2-normalise the 256-d embedding (not in paper; τ = 0.07 assumes unit norm)"
+        )
         positives: Literal["own", "others"] = Field(
             "own",
-            description="P(y) of Eq. 11 (slice form): the own class (A1) or the printed 'labels distinct "
-            "from y'",
+            description="P(y) of Eq. 11 (slice form): the own class (as Lemma 2's proof) or the printed "
+            "'labels distinct from y'",
         )
         reduction: Literal["mean", "sum"] = Field(
-            "mean", description="L_R over the batch: mean (A2) or Eq. 11's literal sum"
+            "mean", description="L_R over the batch: mean (as L_S, Eq. 2) or Eq. 11's literal sum"
         )
         loss_form: Literal["slice", "pooled"] = Field(
-            "slice", description="per-(client, k) slice softmax (§3.6) or pooled SupCon (Variant B)"
+            "slice", description="per-(client, k) slice softmax of Eq. 11 or pooled SupCon over the pool"
         )
         padding: Literal["literal", "fill"] = Field(
-            "literal", description="Eq. 10: Ū_j in all K slots when a client has < K (A5), or in empty slots"
+            "literal",
+            description="Eq. 10: Ū_j in all K slots when a client has < K (as printed), or in empty slots",
         )
         proto_source: Literal["last_epoch", "recompute"] = Field(
-            "last_epoch", description="embeddings of the last local epoch (Alg. 1) or an eval-mode pass (A4)"
+            "last_epoch", description="embeddings of the last local epoch (Alg. 1 l. 13) or an eval-mode pass"
         )
         kmeans_init: Literal["random", "kmeans++"] = Field(
-            "random", description="initial centroids: K random data points (paper, A13) or k-means++"
+            "random", description="initial centroids: K random data points (paper, §IV-A) or k-means++"
         )
-        eps: float = Field(0.5, gt=0, description="DBSCAN eps (spec A12; on normalised embeddings)")
-        min_samples: int = Field(2, ge=1, description="DBSCAN min_samples (spec A12)")
+        eps: float = Field(0.5, gt=0, description="DBSCAN eps (not in paper; on normalised embeddings)")
+        min_samples: int = Field(2, ge=1, description="DBSCAN min_samples (not in paper)")
         eval_weights: Literal["local", "global"] = Field(
-            "local", description="test-time model: the client's locally updated ω_i (A9) or the global ω"
+            "local", description="test-time model: the client's locally updated ω_i (§III-C) or the global ω"
         )
         eval_pool: Literal["real", "padded"] = Field(
-            "real", description="inference pool: real prototypes U_j (Eq. 8, A10) or the padded pool"
+            "real", description="inference pool: real prototypes U_j (Eqs. 8, 13) or the padded pool"
         )
 
     p: Params
@@ -276,7 +282,7 @@ class MPFedCL(Algorithm):
     def _pool(self, payload: Payload, device: torch.device) -> tuple[Tensor, Tensor] | None:
         protos = payload.arrays["pool_protos"].to(device)
         if protos.shape[0] == 0:
-            return None  # round 1: empty pool, L_R = 0 (A6)
+            return None  # round 1: empty pool, L_R = 0 (docs/decisions.md, "MP-FedCL: round-1 pool")
         classes = payload.arrays["pool_classes"].to(device)
         owners = payload.arrays["pool_owners"].to(device)
         return pad_pool(protos, classes, owners, self.ctx.num_classes, self.p.k, self.p.padding)
@@ -391,12 +397,13 @@ class SPFedCL(MPFedCL):
 @ALGORITHMS.register("dpfedcl")
 class DPFedCL(MPFedCL):
     """DP-FedCL (MP-FedCL §V): DBSCAN per class instead of k-means, so the prototype count varies; trained
-    with the pooled SupCon form by default (spec A12)."""
+    with the pooled SupCon form by default (docs/decisions.md, "MP-FedCL: DP-FedCL clustering and loss")."""
 
     class Params(MPFedCL.Params):
-        clustering: Literal["dbscan"] = Field("dbscan", description="DBSCAN per class (spec A12)")
+        clustering: Literal["dbscan"] = Field("dbscan", description="DBSCAN per class (paper §V)")
         loss_form: Literal["slice", "pooled"] = Field(
-            "pooled", description="pooled SupCon (A12) or the slice form padded to the largest count"
+            "pooled",
+            description="pooled SupCon (suits varying counts) or the slice form padded to the largest count",
         )
 
 

@@ -13,9 +13,9 @@ tensors of its ``init_scratch``, stacked over clients like the parameters and up
 ``vmap`` (FedProto's last-epoch prototype sums): batched, not per client.
 
 Where it pays: small models and small batches, where a step is dominated by per-call overhead (FedProto's
-21.8k-parameter CNN at batch 8: vmap over 20 clients was 1.44x the loop, issue 8); on large convolutions
-batched convolutions become grouped convolutions and are slower (0.70x), so ``engine.mode=auto`` does not
-pick it there.
+21.8k-parameter CNN at batch 8: vmap over 20 clients was 1.44x the loop, measured on the project's 2-core
+CPU machine, docs/performance.md); on large convolutions batched convolutions become grouped convolutions
+and are slower (0.70x), so ``engine.mode=auto`` does not pick it there.
 
 An algorithm opts in with ``vectorizable = True``: its ``local_loss`` must be a pure function of the model,
 the batch, the payload, the client state and the ``init_scratch`` tensors (no per-client modules loaded in

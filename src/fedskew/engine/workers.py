@@ -2,12 +2,12 @@
 
 Why processes: on a CPU the convolutions of one client already run near the GEMM ceiling, so the lever left
 is running several single-threaded clients at once (two single-threaded processes beat one two-thread loop
-by ~1.3x on FedAvg/MNIST, issue 8). The workers are forked once, after the simulation is built, so they
-inherit the dataset tensors, the models and the algorithm copy-on-write: nothing is set up twice and the
-data is never pickled. Each round the parent sends a worker the server state (once, with its first task of
-the round) and, per task, the client ids and their states; the worker runs the very same
-:func:`~fedskew.engine.executors.train_sequential` (or the vectorized path) as the parent would and sends the
-outcomes back.
+by ~1.3x on FedAvg/MNIST, measured on the project's 2-core CPU machine, docs/performance.md). The workers
+are forked once, after the simulation is built, so they inherit the dataset tensors, the models and the
+algorithm copy-on-write: nothing is set up twice and the data is never pickled. Each round the parent
+sends a worker the server state (once, with its first task of the round) and, per task, the client ids and
+their states; the worker runs the very same :func:`~fedskew.engine.executors.train_sequential` (or the
+vectorized path) as the parent would and sends the outcomes back.
 
 Messages carry their tensors through an :class:`Arena` per worker and direction: an anonymous shared mapping
 made before the fork, so a tensor costs one copy in and one copy out. (torch's own sharing makes a shared

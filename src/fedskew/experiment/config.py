@@ -45,7 +45,7 @@ class DataConfig(Strict):
         0.0, ge=0.0, lt=1.0, description="share of each client's training data held out for validation"
     )
     frozen_encoder: FrozenEncoderConfig | None = Field(
-        None, description="replace images by a frozen pre-trained encoder's features (MP-FedCL spec A8)"
+        None, description="replace images by a frozen pre-trained encoder's features (MP-FedCL, Table II)"
     )
     train_limit: int | None = Field(
         None, ge=1, description="partition only the first n training samples (MP-FedCL's 2,000 MNIST images)"

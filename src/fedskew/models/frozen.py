@@ -1,4 +1,4 @@
-"""Frozen pre-trained encoders: features computed once per run (MP-FedCL spec A8, FedPCL's setting).
+"""Frozen pre-trained encoders: features computed once per run (MP-FedCL Table II, FedPCL's setting).
 
 MP-FedCL trains and communicates only a 133,898-parameter MLP head on top of a ResNet-18 that is never
 updated (Table II counts only the head). A frozen encoder in eval mode is a fixed function of the input, so

@@ -114,10 +114,11 @@ def mlp_mpfedcl(
     """MP-FedCL's MNIST MLP (Table III): FC 784-512-512-256 (ReLU) -> 256-d embedding | FC 256-C.
 
     798,474 parameters on MNIST (= the paper's Table II). The embedding is the 256-d input of the decision
-    layer, as the prototype sizes K*C*256 of Table II imply (spec mp-fedcl §2). ``normalize`` L2-normalises
-    it (spec A3, FedPCL's head); ``relu_logits`` applies Table III's literal ReLU to the logits (spec A19).
-    ``encoder=False`` keeps only the MLP (FC d-256 | FC 256-C: 133,898 parameters on 512-d inputs), the
-    trained part on top of a frozen ResNet-18 (``data.frozen_encoder``, spec A8).
+    layer, as the prototype sizes K*C*256 of Table II imply. ``normalize`` L2-normalises it (not in the
+    paper; FedPCL's head does it, see docs/decisions.md, "MP-FedCL: embedding normalisation");
+    ``relu_logits`` applies Table III's literal ReLU to the logits. ``encoder=False`` keeps only the MLP
+    (FC d-256 | FC 256-C: 133,898 parameters on 512-d inputs), the trained part on top of a frozen ResNet-18
+    (``data.frozen_encoder``; Table II counts only these parameters).
     """
     d = math.prod(in_shape)
     fc_encoder = [nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()] if encoder else []
@@ -141,7 +142,7 @@ def cnn_fedproto(
     embed_dim: PosInt = 50,
     dropout: Prob = 0.5,
 ) -> FedModel:
-    """FedProto's MNIST/FEMNIST CNN (spec fedproto §4.4): conv 10, conv c + Dropout2d, fc -> 50-d prototype.
+    """FedProto's MNIST/FEMNIST CNN (authors' code): conv 10, conv c + Dropout2d, fc -> 50-d prototype.
 
     Parameters: 820 + 1051c on MNIST (21,840 for c = 20); 849,332 on FEMNIST 128x128 with
     ``conv1_kernel=3``. FedProto-mh varies ``conv2_channels`` (18/20/22); the 50-d embedding and the head
@@ -174,11 +175,13 @@ def cnn_mnist(
     dropout2: Prob = 0.5,
     padding: NonNegInt = 2,
 ) -> FedModel:
-    """The FedAvg paper's MNIST CNN = FedEnt's MNIST-CNN (spec fedent §5.3): 1,663,370 params on MNIST.
+    """The FedAvg paper's MNIST CNN = FedEnt's MNIST-CNN (FedEnt §6.1.2): 1,663,370 params on MNIST.
 
-    5x5 conv 32 ('same') -> 2x2 max-pool -> 5x5 conv 64 -> pool -> FC 512 (the embedding) | FC C. The
-    dropout rates are the FedEnt spec's recommendation; set both to 0 for the FedAvg paper's literal net.
-    ``padding=0`` with no dropout is the FedSKC spec's EMNIST CNN (X2: FC 1024 -> 512 -> 47).
+    5x5 conv 32 ('same') -> 2x2 max-pool -> 5x5 conv 64 -> pool -> FC 512 (the embedding) | FC C. FedEnt
+    names two dropout layers without rates; 0.25/0.5 are our choice (docs/decisions.md, "FedEnt: model
+    details the paper leaves open"); set both to 0 for the FedAvg paper's literal net. ``padding=0`` with no
+    dropout is the EMNIST CNN used for FedSKC, whose paper says only "multi-layers CNN" (FC 1024 -> 512 -> 47;
+    docs/decisions.md, "FedSKC: EMNIST CNN").
     """
     _need_image(in_shape, "cnn_mnist")
     conv = nn.Sequential(
@@ -200,10 +203,10 @@ def cnn_mnist(
 def cnn_cifar(
     in_shape: tuple[int, ...], num_classes: int, *, dropout1: Prob = 0.25, dropout2: Prob = 0.5
 ) -> FedModel:
-    """FedEnt's CIFAR10-CNN (spec fedent §5.3): 3x (3x3 conv 'same' + pool), FC 512 | FC C; 586,250 params.
+    """FedEnt's CIFAR10-CNN (FedEnt §6.1.2): 3x (3x3 conv 'same' + pool), FC 512 | FC C; 586,250 params.
 
     The paper gives three convs and a 4x4x64 flatten but no widths; 32/64/64 channels and dropout
-    0.25/0.5 are the spec's recommendation.
+    0.25/0.5 are our choice (docs/decisions.md, "FedEnt: model details the paper leaves open").
     """
     _need_image(in_shape, "cnn_cifar")
     layers: list[nn.Module] = []
@@ -220,7 +223,7 @@ def cnn_cifar(
 
 @_model("lenet5")
 def lenet5(in_shape: tuple[int, ...], num_classes: int, *, padding: NonNegInt | None = None) -> FedModel:
-    """LeNet-5 (LeCun et al. 1998; FedEnt's EMNIST-L net, spec fedent §5.3): 6@5x5, 16@5x5, 120, 84 | C.
+    """LeNet-5 (LeCun et al. 1998; FedEnt's EMNIST-L net, FedEnt §6.1.2): 6@5x5, 16@5x5, 120, 84 | C.
 
     ``padding`` pads the first conv; by default just enough to give it its native 32x32 frame (2 on MNIST's
     28x28, 0 on CIFAR), so the net and its 61,706 parameters (10 classes) are the same on any input up to
@@ -247,11 +250,12 @@ def lenet5(in_shape: tuple[int, ...], num_classes: int, *, padding: NonNegInt | 
 def vgg11(
     in_shape: tuple[int, ...], num_classes: int, *, batch_norm: bool = True, dropout: Prob = 0.5
 ) -> FedModel:
-    """VGG-11 for 32x32 inputs (Simonyan & Zisserman 2015), FedEnt's CIFAR-100 net (spec fedent §5.3).
+    """VGG-11 for 32x32 inputs (Simonyan & Zisserman 2015), FedEnt's CIFAR-100 net (FedEnt §6.1.2).
 
     Convs [64,M,128,M,256,256,M,512,512,M,512,512,M] (3x3, pad 1, + BN by default) -> 1x1x512, then the
     common CIFAR classifier Dropout-FC512-ReLU-Dropout-FC512-ReLU (the 512-d embedding) | FC C.
-    ``batch_norm=False`` is the FedEnt spec's recommended variant (its entropy term sees only weights).
+    ``batch_norm=False`` makes every state entry a trained weight, which suits FedEnt's norm-based entropy
+    term; the FedEnt configs use it (docs/decisions.md, "FedEnt: model details the paper leaves open").
     """
     _need_image(in_shape, "vgg11")
     layers: list[nn.Module] = []
@@ -377,8 +381,9 @@ def resnet8(
     norm: Norm = "batch",
     norm_groups: PosInt = 2,
 ) -> FedModel:
-    """FedSKC's ResNet-8 (spec fedskc X1): 3x3 stem, 3 stages x 1 BasicBlock, widths 64/128/256, BN.
+    """FedSKC's ResNet-8: 3x3 stem, 3 stages x 1 BasicBlock, widths 64/128/256, BN.
 
+    The paper names ResNet-8 without details (docs/decisions.md, "FedSKC: ResNet-8 architecture").
     1,227,594 parameters on CIFAR-10 with the public code's width 64 (``ResNet_cifar(8, scaling=4)``);
     ``width=16`` is the classic 16/32/64 net. Embedding: the pooled ``4*width``-d last stage.
     """
@@ -411,8 +416,8 @@ def resnet18(
 
     ``stem='cifar'``: 3x3 conv stride 1, no max-pool (11,173,962 params, 10 classes). ``stem='imagenet'``:
     torchvision's 7x7 conv stride ``conv1_stride`` (default 2) + 3x3 max-pool stride ``pool_stride``
-    (default 2), 11,181,642 params: FedProto's CIFAR net, whose FedProto-mh clients use (1, 4) (spec
-    fedproto §4.4-4.5).
+    (default 2), 11,181,642 params: FedProto's CIFAR net, whose FedProto-mh clients use (1, 4) (the
+    authors' code; the paper says only that the strides differ across clients).
     """
     _need_image(in_shape, "resnet18")
     _check_groups("resnet18", norm, norm_groups, 64)

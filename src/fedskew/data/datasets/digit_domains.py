@@ -266,7 +266,7 @@ def load_digit_domains(
         x_test=torch.cat(xs_te),
         y_test=torch.cat(ys_te).long(),
         num_classes=10,
-        mean=(0.5, 0.5, 0.5),  # MP-FedCL spec: normalise Digit-5 with mean 0.5, std 0.5
+        mean=(0.5, 0.5, 0.5),  # Digit-5 at mean 0.5, std 0.5, as FedPCL's code (MP-FedCL gives none)
         std=(0.5, 0.5, 0.5),
         classes=[str(i) for i in range(10)],
         domain_train=torch.cat(ds_tr),

@@ -20,7 +20,8 @@ from fedskew.data.datasets.imagefolder import CACHE_DIR, image_dataset
 from fedskew.data.images import list_images
 from fedskew.errors import ConfigError, DataError, did_you_mean
 
-# MP-FedCL spec §5.3: the ResNet18 encoder is ImageNet-pretrained, so ImageNet statistics.
+# The frozen ResNet18 encoder used here is ImageNet-pretrained (docs/decisions.md, "MP-FedCL: pre-trained
+# encoder"), so ImageNet statistics.
 IMAGENET_NORM = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 

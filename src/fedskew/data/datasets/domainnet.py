@@ -43,7 +43,7 @@ def domainnet(
     """DomainNet 10-class subset (MP-FedCL/FedPCL): 6 domains, RGB resized to 256x256.
 
     Layout ``<root>/domainnet/<domain>/<class>/*``; the official ``<domain>_train.txt``/``_test.txt`` lists
-    in ``<root>/domainnet`` define the split when present. 256x256 follows MP-FedCL spec §5.2; pass a
-    smaller ``size`` to save memory (6 domains at 256 px take several GB as uint8).
+    in ``<root>/domainnet`` define the split when present. 256x256 follows FedPCL's code (MP-FedCL gives no
+    size); pass a smaller ``size`` to save memory (6 domains at 256 px take several GB as uint8).
     """
     return load_domains(DOMAINNET, root, domains, size, train_fraction, split_seed, cache)

@@ -12,7 +12,7 @@ from pathlib import Path
 from fedskew.data.base import DATASETS, Dataset
 from fedskew.data.datasets.domain_folders import DomainFolders, load_domains
 
-# MP-FedCL spec §5.1 (class lists from the FedPCL code, which the spec recommends).
+# Class lists from the FedPCL code: MP-FedCL uses 10 classes (Table II) but does not list them.
 OFFICE10_DOMAINS = ("amazon", "caltech", "dslr", "webcam")
 OFFICE10_CLASSES = (
     "back_pack",
@@ -49,6 +49,7 @@ def office10(
 
     Layout ``<root>/office_caltech_10/<domain>/<class>/*.jpg`` (or ``<domain>/{train,test}/<class>/``);
     without explicit splits, a seeded per-(domain, class) split keeps ``train_fraction`` for training.
-    64x64 follows the MP-FedCL spec §5.2. ``cache`` keeps the decoded images under ``<root>/.cache``.
+    64x64 follows FedPCL's code (MP-FedCL gives no size). ``cache`` keeps the decoded images under
+    ``<root>/.cache``.
     """
     return load_domains(OFFICE10, root, domains, size, train_fraction, split_seed, cache)

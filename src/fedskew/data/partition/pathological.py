@@ -126,15 +126,16 @@ def nway_kshot(
     shot_noise: str = "uniform",
     max_retries: int = 100,
 ) -> list[np.ndarray]:
-    """FedProto's n-way k-shot tasks (Tan et al. 2022, §5; spec §4.2 and §6 A8).
+    """FedProto's n-way k-shot tasks (Tan et al. 2022, Experiments, "Local tasks"; the authors' sampler).
 
     Client i holds ``n_i ~ U{max(2, n−stdev), …, min(C−1, n+stdev)}`` classes (uniform integers, as the
     FedProto code; the lower bound 2 and upper bound C−1 are the code's clips), drawn uniformly without
     replacement, and ``k_i`` samples of each. ``shot_noise``: ``uniform`` ``k_i ~ U{k−stdev+1, …, k+stdev}``
-    (spec A8's recommendation; FedProto's CIFAR-10/FEMNIST code), ``mnist_code`` ``U{k−stdev+1, …,
-    k+stdev−2}`` (FedProto's MNIST code path, empty for stdev < 2), ``gaussian`` ``round(N(k, stdev²))`` or
-    ``none`` (exactly k). Samples are drawn without replacement across clients; the rest stay unused. If a
-    draw asks for more samples of a class than exist, the draw is repeated (``max_retries``).
+    (default; FedProto's CIFAR-10/FEMNIST code; docs/decisions.md, "FedProto: noise on n and k"),
+    ``mnist_code`` ``U{k−stdev+1, …, k+stdev−2}`` (FedProto's MNIST code path, empty for stdev < 2),
+    ``gaussian`` ``round(N(k, stdev²))`` or ``none`` (exactly k). Samples are drawn without replacement
+    across clients; the rest stay unused. If a draw asks for more samples of a class than exist, the draw is
+    repeated (``max_retries``).
     """
     y = check_labels(labels, num_clients, num_classes, "nway_kshot")
     lo, hi = max(2, n - stdev), min(num_classes - 1, n + stdev)

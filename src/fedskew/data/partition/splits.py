@@ -139,7 +139,8 @@ def client_test_split(
 ) -> tuple[list[np.ndarray], dict[str, Any]]:
     """Per-client test sets from the global test set, matching each client's training label distribution.
 
-    Personalized evaluation as in FedProto (spec §4.3) and MP-FedCL (spec §5.2). Client i's target count
+    Personalized evaluation as in FedProto (its authors' code: each client's own classes) and MP-FedCL
+    (each client is tested on its own test set, as in FedPCL). Client i's target count
     for class c (or, with domains, for each (domain, class) pair it trains on) is:
 
     * ``per_class=m``: m for every class the client holds (FedProto: 40 on MNIST, 15 on CIFAR-10/FEMNIST);
