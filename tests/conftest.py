@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from fedskew.algorithms.base import Context
-from fedskew.settings import ClientSection
 from fedskew.models.base import FedModel
+from fedskew.settings import ClientSection
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
 
