@@ -133,7 +133,8 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1].startswith("sweep: 1 of 2 runs failed")
     assert res.stderr.strip().endswith(str(out / "too-many" / "seed0"))
-    assert "DataError: partition 'iid': 3000 clients" in (out / "too-many" / "seed0" / "error.log").read_text()
+    log = (out / "too-many" / "seed0" / "error.log").read_text()
+    assert "DataError: partition 'iid': 3000 clients" in log
     assert (out / "digits-fedavg" / "seed0" / "summary.json").is_file()
 
 
