@@ -162,9 +162,14 @@ def test_bad_grid_is_one_line_and_exit_2(tmp_path):
 
 def test_sweep_refuses_a_folder_holding_another_config(tmp_path):
     configs = write_configs(tmp_path)
-    run_experiment(build_config(yaml.safe_load(configs[0].read_text())), tmp_path / "digits-fedavg" / "seed0")
+    folder = tmp_path / "digits-fedavg" / "seed0"
+    run_experiment(build_config(yaml.safe_load(configs[0].read_text())), folder)
     with pytest.raises(ConfigError, match=r"holds a run of another config \(client.lr: 0.05 saved, 0.5"):
         plan_sweep(configs[:1], tmp_path, [0], sets=["client.lr=0.5"])
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    del saved["engine"]["memory_mb"]  # written before that key existed: its default is what it ran with
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert plan_sweep(configs[:1], tmp_path, [0])[0].state is RunState.FINISHED
 
 
 # ---------------------------------------------------------------------------- report --paired

@@ -95,8 +95,8 @@ class SweepDisplay:
         from fedskew.experiment.sweep import RunState
 
         self.progress = progress
-        done = [r for r in runs if r.state is RunState.FINISHED]
-        self.rounds = {r.folder: r.rounds if r in done else 0 for r in runs}
+        done = {r.folder for r in runs if r.state is RunState.FINISHED}
+        self.rounds = {r.folder: r.rounds if r.folder in done else 0 for r in runs}
         self.running = self.failed = 0
         self.runs_task = progress.add_task("runs", total=len(runs), completed=len(done), info="")
         self.rounds_task = progress.add_task(

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import load_config
+from fedskew.experiment.config import Config, load_config
 from fedskew.experiment.report import flatten_config, value_text
 from fedskew.experiment.runner import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -163,12 +164,21 @@ def render_name(template: str, stem: str, grid: str, config: dict[str, Any]) -> 
 
 
 # ---------------------------------------------------------------------------- planning
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A saved ``config.yaml`` with the defaults of keys added since it was written filled in."""
+    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        return Config.model_validate(raw).to_dict()
+    except ValidationError:
+        return raw  # keys this version no longer has: compared as saved
+
+
 def check_saved_config(run: PlannedRun) -> None:
     """A folder that already holds another config is refused (it would be skipped or resumed wrongly)."""
     saved = run.folder / CONFIG_FILE
     if not saved.is_file():
         return
-    old, new = flatten_config(yaml.safe_load(saved.read_text()) or {}), flatten_config(run.config)
+    old, new = flatten_config(_saved_config(saved)), flatten_config(run.config)
     diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
     if diff:
         k = diff[0]
@@ -305,12 +315,12 @@ def run_in_process(
     torch.set_num_threads(threads)
     try:
         for i, run in enumerate(todo):
-            listener.run_started(run)
 
             def on_round(sim: Any, record: dict[str, Any] | None, run: PlannedRun = run) -> None:
                 listener.run_round(run, sim.round, round_accuracy(record))
 
             try:
+                listener.run_started(run)
                 summary = execute_run(run.config, run.folder, on_round)
             except KeyboardInterrupt:
                 outcome.interrupted.extend(todo[i:])
