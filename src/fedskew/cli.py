@@ -182,14 +182,14 @@ def sweep(
         TimeRemainingColumn(),
         console=console,
     )
-    with progress:
-        outcome = run_sweep(runs, jobs, threads, SweepDisplay(progress, runs))
-    if outcome.interrupted:
-        print(
-            f"interrupted: {len(outcome.interrupted)} of {len(runs)} runs unfinished, their progress kept; "
-            "rerun the same command to resume",
-            file=sys.stderr,
-        )
+    try:
+        with progress:
+            outcome = run_sweep(runs, jobs, threads, SweepDisplay(progress, runs))
+    except KeyboardInterrupt:  # a Ctrl-C after the runs had already stopped
+        outcome = None
+    if outcome is None or outcome.interrupted:
+        left = f"{len(outcome.interrupted)} of {len(runs)} runs unfinished, " if outcome else ""
+        print(f"interrupted: {left}progress kept; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     if outcome.failed:
         folders = ", ".join(str(r.folder) for r, _ in outcome.failed)
