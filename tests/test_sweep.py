@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from typer.testing import CliRunner
 
+from fedskew.cli import app
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.report import find_runs, group_runs, paired_differences, paired_table, select_group
@@ -129,8 +131,8 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     bad = tmp_path / "too-many.yaml"  # a valid config whose partition fails at run time
     bad.write_text(yaml.safe_dump(digits_config(**TINY, data={"dataset": "digits", "num_clients": 3000})))
     out = tmp_path / "out"
-    res = fedskew("sweep", str(bad), str(good), "--out", str(out))
-    assert res.returncode == 1
+    res = CliRunner().invoke(app, ["sweep", str(bad), str(good), "--out", str(out)])
+    assert res.exit_code == 1
     assert res.stderr.strip().splitlines()[-1].startswith("sweep: 1 of 2 runs failed")
     assert res.stderr.strip().endswith(str(out / "too-many" / "seed0"))
     log = (out / "too-many" / "seed0" / "error.log").read_text()
@@ -142,8 +144,10 @@ def test_dry_run_lists_runs_with_their_state(tmp_path):
     configs = write_configs(tmp_path)
     out = tmp_path / "out"
     run_experiment(build_config(yaml.safe_load(configs[0].read_text())), out / "digits-fedavg" / "seed0")
-    res = fedskew("sweep", *map(str, configs), "--seeds", "0-1", "--out", str(out), "--dry-run")
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(
+        app, ["sweep", *map(str, configs), "--seeds", "0-1", "--out", str(out), "--dry-run"]
+    )
+    assert res.exit_code == 0, res.output
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 5 and lines[-1] == "4 runs: 1 finished, 3 new"
     assert lines[0].split()[:2] == ["finished", str(out / "digits-fedavg" / "seed0")]
