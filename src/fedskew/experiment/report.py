@@ -1,5 +1,7 @@
-"""Reports over result folders: a markdown table of final metrics (mean ± std over seeds) and an
-accuracy-vs-round plot. Runs are grouped by everything in their config except the seed and the name."""
+"""Reports over result folders: a markdown table of final metrics (mean ± std over seeds), seed-paired
+differences against a baseline group, and an accuracy-vs-round plot. Runs are grouped by everything in
+their config except the seed and the name; groups whose labels would coincide (e.g. the points of a
+sweep's grid) get the config keys that tell them apart appended to their label."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.stats
 import yaml
 
 from fedskew.errors import FedskewError
@@ -35,6 +38,11 @@ class RunResult:
 class Group:
     label: str
     runs: list[RunResult] = field(default_factory=list)
+    detail: str = ""  # "key=value,...": what tells apart groups whose labels would otherwise coincide
+
+    @property
+    def algorithm(self) -> str:
+        return str(self.runs[0].config["algorithm"]["name"])
 
     def stat(self, key: str) -> tuple[float, float]:
         vals = [r.summary["final"].get(key) for r in self.runs]
@@ -78,13 +86,47 @@ def runs_by_folder(root: str | Path) -> dict[str, list[RunResult]]:
     return out
 
 
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    flat: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            flat.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def value_text(value: Any) -> str:
+    """A config value as YAML-like text: ``fedavg``, ``0.5``, ``true``, ``null``, ``[1, 2]``."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[str, Group] = {}
     for r in runs:
         key_cfg = {k: v for k, v in r.config.items() if k not in ("seed", "name")}
         key = json.dumps(key_cfg, sort_keys=True)
         groups.setdefault(key, Group(r.label)).runs.append(r)
+    _disambiguate(list(groups.values()))
     return list(groups.values())
+
+
+def _disambiguate(groups: list[Group]) -> None:
+    """Append to coinciding labels the config keys whose values differ among those groups."""
+    by_label: dict[str, list[Group]] = {}
+    for g in groups:
+        by_label.setdefault(g.label, []).append(g)
+    for same in by_label.values():
+        if len(same) < 2:
+            continue
+        flats = [flatten_config(g.runs[0].config) for g in same]
+        keys = set().union(*flats) - {"seed", "name"}
+        differing = sorted(k for k in keys if len({json.dumps(f.get(k)) for f in flats}) > 1)
+        for g, flat in zip(same, flats, strict=True):
+            g.detail = ",".join(f"{k}={value_text(flat.get(k))}" for k in differing)
+            head, sep, tail = g.label.partition(" | ")  # the markdown table splits labels on " | "
+            g.label = f"{head} ({g.detail}){sep}{tail}"
 
 
 def _pm(mean: float, std: float) -> str:
@@ -167,3 +209,125 @@ def plot_accuracy(
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# ---------------------------------------------------------------------------- seed-paired differences
+def select_group(groups: list[Group], name: str) -> Group:
+    """The group named by ``name``: its exact label, else its algorithm name, else a part of its label
+    (the first of these rules that matches anything must match exactly one group)."""
+    rules = (
+        [g for g in groups if g.label == name],
+        [g for g in groups if g.algorithm == name],
+        [g for g in groups if name in g.label],
+    )
+    for matches in rules:
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            labels = "; ".join(f"'{g.label}'" for g in matches)
+            raise FedskewError(
+                f"--paired '{name}' matches {len(matches)} groups: {labels}; give more of a label"
+            )
+    labels = "; ".join(f"'{g.label}'" for g in groups)
+    raise FedskewError(f"--paired '{name}': no group's label or algorithm matches; groups: {labels}")
+
+
+def run_value(run: RunResult, key: str = "accuracy", last: int = 0) -> float:
+    """``final[key]`` of the summary, or with ``last > 0`` the mean of ``key`` over the last evaluated
+    rounds of ``metrics.jsonl``."""
+    if last > 0:
+        vals = [m[key] for m in run.metrics if m.get(key) is not None][-last:]
+        value = float(np.mean(vals)) if vals else None
+    else:
+        value = run.summary["final"].get(key)
+    if value is None:
+        keys = ", ".join(k for k, v in run.summary["final"].items() if isinstance(v, int | float))
+        raise FedskewError(f"--metric '{key}': not in the results of '{run.path}'; available: {keys}")
+    return float(value)
+
+
+def values_by_seed(group: Group, key: str = "accuracy", last: int = 0) -> dict[int, float]:
+    """``{seed: value}`` over a group's runs; two runs of one seed cannot be paired."""
+    out: dict[int, float] = {}
+    for r in group.runs:
+        seed = r.config["seed"]
+        if seed in out:
+            raise FedskewError(
+                f"group '{group.label}' has two runs of seed {seed} (one is '{r.path}'); report one"
+            )
+        out[seed] = run_value(r, key, last)
+    return out
+
+
+@dataclass
+class Paired:
+    """A group's per-seed differences to the baseline (group − baseline) and their 95% t-interval."""
+
+    group: Group
+    diffs: dict[int, float]  # seed -> difference, over the seeds both groups have
+    unpaired: int  # seeds of either group without a partner
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(list(self.diffs.values()))) if self.diffs else float("nan")
+
+    @property
+    def std(self) -> float:
+        return float(np.std(list(self.diffs.values()), ddof=1)) if self.n > 1 else float("nan")
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """mean ± t_{0.975, n−1} · std / √n (nan below two pairs)."""
+        half = (
+            float(scipy.stats.t.ppf(0.975, self.n - 1)) * self.std / np.sqrt(self.n) if self.n > 1 else np.nan
+        )
+        return self.mean - half, self.mean + half
+
+    @property
+    def excludes_zero(self) -> bool | None:
+        lo, hi = self.interval
+        return None if np.isnan(lo) else bool(lo > 0 or hi < 0)
+
+
+def paired_differences(
+    groups: list[Group], baseline: Group, key: str = "accuracy", last: int = 0
+) -> list[Paired]:
+    """Every other group against ``baseline``, paired by seed."""
+    base = values_by_seed(baseline, key, last)
+    out = []
+    for g in groups:
+        if g is baseline:
+            continue
+        vals = values_by_seed(g, key, last)
+        seeds = sorted(vals.keys() & base.keys())
+        out.append(Paired(g, {s: vals[s] - base[s] for s in seeds}, len(vals.keys() ^ base.keys())))
+    return out
+
+
+def paired_table(groups: list[Group], baseline: Group, key: str = "accuracy", last: int = 0) -> str:
+    """Markdown: per-seed differences to the baseline, their mean, sample std and 95% t-interval; in
+    percentage points for accuracies."""
+    scale, unit = (100.0, " (pp)") if "accuracy" in key else (1.0, "")
+    what = f"mean of the last {last} evaluated rounds of {key}" if last > 0 else f"final {key}"
+    rows = [
+        f"Paired by seed against '{baseline.label}' ({len(baseline.runs)} runs): {what}, group − baseline",
+        "",
+        f"| algorithm | data | model | paired seeds | difference per seed{unit} | mean{unit} | std{unit} "
+        f"| 95% t-interval{unit} | excludes 0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in paired_differences(groups, baseline, key, last):
+        per_seed = ", ".join(f"{s}: {scale * d:+.2f}" for s, d in p.diffs.items()) or "—"
+        lo, hi = p.interval
+        ci = "n/a" if np.isnan(lo) else f"[{scale * lo:+.2f}, {scale * hi:+.2f}]"
+        excl = {None: "n/a", True: "yes", False: "no"}[p.excludes_zero]
+        count = f"{p.n}" + (f" ({p.unpaired} unpaired)" if p.unpaired else "")
+        rows.append(
+            f"| {p.group.label} | {count} | {per_seed} | {scale * p.mean:+.2f} | {scale * p.std:.2f} | {ci} "
+            f"| {excl} |"
+        )
+    return "\n".join(rows) + "\n"
