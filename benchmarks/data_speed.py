@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from fedskew.data import files
+from fedskew.data.checksums import cold_verification
 from fedskew.data.datasets import load_dataset
 
 RESULTS = Path(__file__).parent / "results"
@@ -31,13 +31,8 @@ def timed(fn) -> float:
 
 def cold(name: str, root: str | None) -> float:
     """One load with checksum hashing forced (stamps and the in-process memo ignored)."""
-    files._MEMO.clear()
-    lookup = files._stamp_lookup
-    files._stamp_lookup = lambda path, digests: False
-    try:
+    with cold_verification():
         return timed(lambda: load_dataset(name, root))
-    finally:
-        files._stamp_lookup = lookup
 
 
 def main() -> int:

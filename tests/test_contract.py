@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedskew.algorithms import ALGORITHMS
-from fedskew.algorithms.base import RoundInfo
+from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
@@ -202,3 +202,26 @@ def test_heterogeneous_models_train_together(name):
         == sim.runtime.models.model_for(c).state_dict()["body.1.weight"].shape
         for c in trained
     )
+
+
+class _ScratchWriter(Algorithm):
+    """Test-only: caches into scratch lazily from the loss, which the contract forbids."""
+
+    vectorizable = True
+
+    def local_loss(self, model, batch, payload, state, scratch):
+        if "anchor" not in scratch:
+            scratch["anchor"] = payload.model_state()
+        return super().local_loss(model, batch, payload, state, scratch)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_writing_into_scratch_outside_init_scratch_fails_loudly(mode):
+    if "_scratch_writer" not in ALGORITHMS:
+        ALGORITHMS.register("_scratch_writer")(_ScratchWriter)
+    sim = build_simulation(
+        build_config(tiny_config("fedavg", rounds=1, mode=mode) | {"algorithm": {"name": "_scratch_writer"}})
+    )
+    with pytest.raises(ContractError, match="scratch is read-only outside init_scratch"):
+        sim.run_round()
+    assert sim.round == 0  # nothing committed

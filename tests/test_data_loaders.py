@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fedskew.data.datasets as ds
-from fedskew.data import files
+from fedskew.data import checksums, files
 from fedskew.data.base import DATASETS
 from fedskew.errors import ConfigError, DataError
 
@@ -36,7 +36,7 @@ def no_network(monkeypatch):
     monkeypatch.setattr(files, "URLOPEN", offline)
     monkeypatch.setattr(files, "OFFLINE", False)
     monkeypatch.setattr(files, "VERIFY", True)
-    files._MEMO.clear()
+    checksums.forget()
 
 
 # ------------------------------------------------------------------------------------------ fixture writers
@@ -380,12 +380,12 @@ def test_verify_accepts_caches_and_rejects(tmp_path, monkeypatch):
     good = "sha256:" + hashlib.sha256(b"hello fedskew").hexdigest()
     files.verify(p, good)
     assert json.loads((tmp_path / files.STAMP).read_text())["blob.bin"]["digest"] == good
-    files._MEMO.clear()
+    checksums.forget()
 
     def no_rehash(*a, **k):
         raise AssertionError("rehashed a file whose stamp is valid")
 
-    monkeypatch.setattr(files, "file_digest", no_rehash)
+    monkeypatch.setattr(checksums, "file_digest", no_rehash)
     files.verify(p, good)  # answered by the stamp on disk
     monkeypatch.undo()
     p.write_bytes(b"hello fedskeW!")  # size changes: stamp no longer applies

@@ -30,9 +30,9 @@ def _fake_mnist(root: Path, **_: object) -> Dataset:
 
 
 @pytest.fixture
-def fake_mnist(monkeypatch):
-    # the registry has no "replace" on purpose; setitem is undone after the test
-    monkeypatch.setitem(DATASETS._items, "mnist", _fake_mnist)
+def fake_mnist():
+    with DATASETS.replaced("mnist", _fake_mnist):
+        yield
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from fedskew.experiment.sweep import (
     parse_grid,
     parse_seeds,
     plan_sweep,
-    run_sweep,
 )
+from fedskew.experiment.sweep_pool import run_sweep
 from tests.conftest import digits_config
 from tests.test_cli import fedskew
 

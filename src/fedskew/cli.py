@@ -166,7 +166,8 @@ def sweep(
     ),
 ) -> None:
     """Run configs × grid points × seeds, skipping finished runs and resuming interrupted ones."""
-    from fedskew.experiment.sweep import parse_seeds, plan_sweep, run_sweep
+    from fedskew.experiment.sweep import parse_seeds, plan_sweep
+    from fedskew.experiment.sweep_pool import run_sweep
 
     if jobs < 1 or threads < 1:
         raise FedskewError(f"--jobs {jobs} --threads {threads}: both must be at least 1")

@@ -5,6 +5,7 @@ Registry names are public API (configs and the CLI use them).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
@@ -40,6 +41,19 @@ class Registry(Generic[T]):
             raise ConfigError(
                 f"unknown {self.kind} '{name}'{did_you_mean(name, self._items)}; valid: {valid}"
             ) from None
+
+    @contextlib.contextmanager
+    def replaced(self, name: str, obj: T) -> Iterator[None]:
+        """Serve ``obj`` under ``name`` inside the ``with`` block (tests, plugins that wrap a built-in)."""
+        before = self._items.get(name)
+        self._items[name] = obj
+        try:
+            yield
+        finally:
+            if before is None:
+                del self._items[name]
+            else:
+                self._items[name] = before
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

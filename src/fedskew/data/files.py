@@ -1,4 +1,4 @@
-"""The data root: the expected-files registry, checksum verification and download (generic helpers).
+"""The data root: the expected-files registry and download (generic helpers; checksums in checksums.py).
 
 Each dataset module declares its files in :data:`FILES` (paths under the root in the datasets' own
 distribution format, e.g. ``mnist/train-images-idx3-ubyte.gz``, official checksums, sources); this module
@@ -12,9 +12,6 @@ when the folder is read-only, so repeated loads never rehash.
 from __future__ import annotations
 
 import contextlib
-import gzip
-import hashlib
-import json
 import os
 import shutil
 import tarfile
@@ -26,7 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedskew.data.checksums import STAMP, file_digest, verify
 from fedskew.errors import DataError
+
+__all__ = ["FILES", "STAMP", "DatasetFiles", "FileSpec", "ensure", "fetch", "file_digest", "verify"]
 
 #: Opens a URL; tests replace it (``monkeypatch.setattr(files, "URLOPEN", fake)``): no network in tests.
 URLOPEN: Callable = urllib.request.urlopen
@@ -37,9 +37,7 @@ VERIFY: bool = os.environ.get("FEDSKEW_VERIFY", "1") != "0"
 #: Never try to download (``FEDSKEW_OFFLINE=1``).
 OFFLINE: bool = os.environ.get("FEDSKEW_OFFLINE", "0") == "1"
 
-STAMP = ".verified.json"
-_CHUNK = 1 << 20
-_MEMO: set[tuple[str, int, int, str]] = set()  # (abs path, size, mtime_ns, digest) verified in-process
+_CHUNK = 1 << 20  # download copy chunk
 _SET_HINT = "set FEDSKEW_DATA or data.root to the folder that holds them"
 
 
@@ -91,96 +89,6 @@ FILES: dict[str, DatasetFiles] = {}
 
 
 # --------------------------------------------------------------------------------------------- checksums
-def _split_digest(digest: str) -> tuple[str, str]:
-    algo, _, hexd = digest.partition(":")
-    if algo not in ("md5", "sha256") or not hexd:
-        raise ValueError(f"digest must look like 'md5:<hex>' or 'sha256:<hex>', got {digest!r}")
-    return algo, hexd.lower()
-
-
-def file_digest(path: Path, algo: str = "sha256", *, gunzip: bool = False) -> str:
-    """Hex digest of a file (of its decompressed content when ``gunzip``); ``DataError`` if unreadable."""
-    h = hashlib.new(algo)
-    try:
-        with gzip.open(path, "rb") if gunzip else open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    except (OSError, EOFError, zlib.error) as err:
-        raise DataError(f"cannot read {path}: {err}; the file is truncated or corrupted") from None
-    return h.hexdigest()
-
-
-def _stamp_key(path: Path) -> tuple[str, int, int]:
-    st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
-
-
-def _stamp_lookup(path: Path, digests: Sequence[str]) -> bool:
-    key = _stamp_key(path)
-    if any((*key, d) in _MEMO for d in digests):
-        return True
-    try:
-        entry = json.loads((path.parent / STAMP).read_text()).get(path.name)
-    except (OSError, ValueError, AttributeError):
-        return False
-    return (
-        isinstance(entry, dict)
-        and entry.get("size") == key[1]
-        and entry.get("mtime_ns") == key[2]
-        and entry.get("digest") in digests
-    )
-
-
-def _stamp_record(path: Path, digest: str) -> None:
-    key = _stamp_key(path)
-    _MEMO.add((*key, digest))
-    stamp = path.parent / STAMP
-    try:
-        try:
-            table = json.loads(stamp.read_text())
-            table = table if isinstance(table, dict) else {}
-        except (OSError, ValueError):
-            table = {}
-        table[path.name] = {"size": key[1], "mtime_ns": key[2], "digest": digest}
-        # write-then-rename so concurrent loaders never read half a stamp
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verified-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, stamp)
-    except OSError:
-        pass  # read-only folder: the in-memory memo still spares rehashing in this process
-
-
-def verify(path: str | os.PathLike, digest: str, *, payload_digest: str | None = None) -> None:
-    """Check ``path`` against ``digest`` (``"md5:<hex>"``/``"sha256:<hex>"``); raise ``DataError`` naming it.
-
-    With ``payload_digest`` a gzip file also passes when its decompressed content matches (re-compressed
-    copies of the official data). A pass is cached by size + mtime, so the next call does not rehash.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"missing file {path}")
-    accepted = [d for d in (digest, payload_digest) if d]
-    if _stamp_lookup(path, accepted):
-        return
-    algo, want = _split_digest(digest)
-    got = file_digest(path, algo)
-    if got == want:
-        _stamp_record(path, digest)
-        return
-    if payload_digest:
-        p_algo, p_want = _split_digest(payload_digest)
-        with contextlib.suppress(DataError):  # not gzip at all: report the plain mismatch below
-            if file_digest(path, p_algo, gunzip=True) == p_want:
-                _stamp_record(path, payload_digest)
-                return
-    raise DataError(
-        f"checksum mismatch for {path}: {algo} {got} != expected {want}; the file is corrupted or not the "
-        "official release (delete it to re-download, or set FEDSKEW_VERIFY=0 / data.options.verify=false "
-        "for files you made yourself)"
-    )
-
-
 # --------------------------------------------------------------------------------------------- download
 def _download(url: str, dest: Path, timeout: float) -> None:
     """Stream ``url`` into ``dest`` through a ``.part`` file (no half-written files on failure)."""

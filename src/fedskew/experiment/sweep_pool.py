@@ -21,10 +21,12 @@ from typing import Any
 
 from fedskew.experiment.sweep import (
     PlannedRun,
+    RunState,
     SweepListener,
     SweepOutcome,
     execute_run,
     round_accuracy,
+    run_in_process,
     settle,
 )
 
@@ -161,3 +163,19 @@ def run_in_pool(
 ) -> None:
     """Run ``todo`` in ``jobs`` spawned processes with ``threads`` torch threads each."""
     _Pool(todo, listener, outcome).run(jobs, threads)
+
+
+def run_sweep(
+    runs: Sequence[PlannedRun], jobs: int = 1, threads: int = 1, listener: SweepListener | None = None
+) -> SweepOutcome:
+    """Run every unfinished run of ``runs``: in this process when ``jobs == 1``, else in ``jobs`` spawned
+    processes with ``threads`` torch threads each. A failed run is recorded and the sweep goes on; an
+    interrupt (Ctrl-C, or KeyboardInterrupt raised by the listener) stops it with every run resumable."""
+    listener = listener or SweepListener()
+    outcome = SweepOutcome(skipped=[r for r in runs if r.state is RunState.FINISHED])
+    todo = [r for r in runs if r.state is not RunState.FINISHED]
+    if jobs <= 1 or len(todo) <= 1:
+        run_in_process(todo, threads, listener, outcome)
+    else:
+        run_in_pool(todo, min(jobs, len(todo)), threads, listener, outcome)
+    return outcome
