@@ -137,6 +137,12 @@ def _strip_timing(records):
     return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in records]
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C at its default. A child inherits an ignored SIGINT (Python then
+    keeps ignoring it), and a test process of a parallel session may have it ignored for a moment."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_run(
     cfg: dict, tmp_path: Path, out: Path, min_rounds: int
 ) -> tuple[subprocess.Popen, list[str], dict[str, str]]:
@@ -146,7 +152,13 @@ def _start_run(
     cmd = [sys.executable, "-m", "fedskew.cli", "run", str(path), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -200,7 +212,7 @@ def test_ctrl_c_with_workers_exits_130_stops_them_and_resumes_to_the_same_metric
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     ran = len((out / "metrics.jsonl").read_text().splitlines())
-    assert proc.returncode == 130 and "continue with --resume" in err, err
+    assert proc.returncode == 130 and "continue with --resume" in err, (proc.returncode, ran, err)
     assert 2 <= ran < ROUNDS_CTRL_C, "the run must be interrupted mid-way"
     with pytest.raises(ProcessLookupError):  # the whole group (parent and workers) is gone
         for _ in range(100):
