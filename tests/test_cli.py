@@ -37,6 +37,7 @@ def test_list_prints_every_registry():
         assert name in res.stdout
 
 
+@pytest.mark.slow
 def test_report_groups_seeds_with_mean_and_std(tmp_path):
     accs = []
     for seed in (0, 1):
@@ -57,11 +58,13 @@ def test_report_groups_seeds_with_mean_and_std(tmp_path):
     assert out.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_report_on_empty_folder_is_a_clear_error(tmp_path):
     res = fedskew("report", str(tmp_path))
     assert res.returncode == 2 and "no finished runs" in res.stderr
 
 
+@pytest.mark.slow
 def test_data_show_prints_table_and_writes_heatmap(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(digits_config()))
@@ -70,11 +73,12 @@ def test_data_show_prints_table_and_writes_heatmap(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_demo_runs_three_methods(tmp_path):
     res = fedskew("demo", "--out", str(tmp_path / "demo"), "--rounds", "2")
     assert res.returncode == 0, res.stderr
     for name in ("fedavg", "fedprox", "local"):
         summary = json.loads((tmp_path / "demo" / name / "summary.json").read_text())
-        assert summary["rounds"] == 2 and 0 <= summary["final"]["accuracy"] <= 1
+        assert summary["rounds"] == 2 and summary["final"]["accuracy"] > 0.3  # chance is 0.1
     assert (tmp_path / "demo" / "accuracy.png").exists()
     assert "final accuracy" in res.stdout

@@ -167,7 +167,7 @@ def test_federated_round_on_an_image_folder(tmp_path):
     cfg = build_config(
         {
             "seed": 0,
-            "rounds": 2,
+            "rounds": 5,
             "data": {
                 "dataset": "imagefolder",
                 "root": str(tmp_path),
@@ -182,4 +182,4 @@ def test_federated_round_on_an_image_folder(tmp_path):
         }
     )
     summary = run_experiment(cfg)
-    assert summary["rounds"] == 2 and 0.0 <= summary["final"]["accuracy"] <= 1.0
+    assert summary["rounds"] == 5 and summary["final"]["accuracy"] > 0.34  # above chance (1/3): it learns

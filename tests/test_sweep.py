@@ -94,6 +94,7 @@ def test_parsers_accept_lists_ranges_and_reject_malformed_input():
             parse_seeds(bad)
 
 
+@pytest.mark.slow
 def test_sweep_interrupted_then_resumed_matches_uninterrupted_runs(tmp_path):
     configs = write_configs(tmp_path)
     out = tmp_path / "sweep"
@@ -154,6 +155,7 @@ def test_dry_run_lists_runs_with_their_state(tmp_path):
     assert not (out / "digits-fedprox").exists()
 
 
+@pytest.mark.slow
 def test_bad_grid_is_one_line_and_exit_2(tmp_path):
     configs = write_configs(tmp_path)
     res = fedskew("sweep", str(configs[0]), "--out", str(tmp_path / "out"), "--grid", "client.lr")
