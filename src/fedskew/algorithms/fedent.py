@@ -439,8 +439,10 @@ class FedEnt(Algorithm):
         names = server["params"]
         new = server["weights"]
 
+        reported = [{**u.payload.metrics, **u.payload.config} for u in uploads]
+
         def col(key: str) -> Tensor:
-            return torch.tensor([{**u.payload.metrics, **u.payload.config}[key] for u in uploads], dtype=F64)
+            return torch.tensor([values[key] for values in reported], dtype=F64)
 
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
         eta, raw, branch = col("eta"), col("eta_raw"), col("branch")

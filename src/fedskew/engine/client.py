@@ -90,9 +90,7 @@ def finish_client(
     rt: ClientRuntime, model: nn.Module, client: PreparedClient, result: LocalResult
 ) -> ClientOutcome:
     """Run ``finish_local`` and turn its output into an outcome; a non-finite upload is rejected."""
-    out = ClientOutcome(
-        cid=client.cid, bytes_down=client.payload.nbytes(), params_down=client.payload.num_params()
-    )
+    out = ClientOutcome.received(client.cid, client.payload)
     done = rt.algorithm.finish_local(
         model, client.payload, client.plan.state, client.view, client.scratch, result, client.info
     )
@@ -117,7 +115,7 @@ def train_client(
         result = run_phases(model, rt.algorithm, client, rt.client)
     except NonFiniteLoss as err:
         log.warning("round %d: rejected update: %s", round_idx, err)
-        return ClientOutcome(cid=cid, bytes_down=payload.nbytes(), params_down=payload.num_params())
+        return ClientOutcome.received(cid, payload)
     return finish_client(rt, model, client, result)
 
 

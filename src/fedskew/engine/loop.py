@@ -157,15 +157,16 @@ class Simulation:
         server = self.algorithm.aggregate(self.server, uploads, info) if uploads else self.server
         t2 = time.perf_counter()
         states = {o.cid: o.state for o in outcomes if o.state is not None}
+        traffic = sum(u.payload.nbytes() for u in uploads), sum(o.bytes_down for o in outcomes)
         record = None
         if r % self.every == 0 or r == self.rounds:
-            record = self._record(r, server, states, outcomes)
+            record = self._record(r, server, states, outcomes, traffic)
         t3 = time.perf_counter()
         # commit
         self.server, self.round = server, r
         self.client_states.update(states)
-        self.bytes_up += sum(u.payload.nbytes() for u in uploads)
-        self.bytes_down += sum(o.bytes_down for o in outcomes)
+        self.bytes_up += traffic[0]
+        self.bytes_down += traffic[1]
         self.times.train += t1 - t0
         self.times.aggregate += t2 - t1
         self.times.evaluate += t3 - t2
@@ -175,9 +176,15 @@ class Simulation:
         return RoundOutcome(r, record, [o.cid for o in outcomes if o.upload is None])
 
     def _record(
-        self, r: int, server: State, states: dict[int, State], outcomes: list[ClientOutcome]
+        self,
+        r: int,
+        server: State,
+        states: dict[int, State],
+        outcomes: list[ClientOutcome],
+        traffic: tuple[int, int],
     ) -> dict[str, Any]:
-        """The metrics record of round ``r``'s uncommitted ``server`` and client ``states``."""
+        """The metrics record of round ``r``'s uncommitted ``server`` and client ``states``; ``traffic``:
+        the round's bytes (up, down)."""
         uploads = [o.upload for o in outcomes if o.upload is not None]
         losses = [o.loss for o in outcomes if o.upload is not None]
 
@@ -185,7 +192,7 @@ class Simulation:
             return states[cid] if cid in states else self.client_state(cid)
 
         record: dict[str, Any] = {"round": r, **self.evaluator.evaluate(server, state_of, r)}
-        round_up, round_down = sum(u.payload.nbytes() for u in uploads), sum(o.bytes_down for o in outcomes)
+        round_up, round_down = traffic
         record.update(
             train_loss=float(np.mean(losses)) if losses else float("nan"),
             bytes_up=self.bytes_up + round_up,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedskew.algorithms.base import State, Upload
+from fedskew.algorithms.base import Payload, State, Upload
 
 
 @dataclass
@@ -26,6 +26,11 @@ class ClientOutcome:
     upload: Upload | None = None  # None: rejected (non-finite loss or upload)
     state: State | None = None  # the client's new state (CPU), committed with the round
     loss: float = float("nan")
+
+    @classmethod
+    def received(cls, cid: int, payload: Payload) -> ClientOutcome:
+        """A client that received ``payload`` and has no accepted upload (yet)."""
+        return cls(cid=cid, bytes_down=payload.nbytes(), params_down=payload.num_params())
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ def _train_chunk(rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[
     for k, c in enumerate(clients):
         prep = c.prep
         if not c.finite:
-            outcomes.append(ClientOutcome(prep.cid, prep.payload.nbytes(), prep.payload.num_params()))
+            outcomes.append(ClientOutcome.received(prep.cid, prep.payload))
             continue
         with torch.no_grad():
             for n, p in model.named_parameters():

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
 from fedskew.registry import check_options
 from fedskew.settings import ClientSection, EngineSection, EvalSection, Strict
@@ -141,8 +142,6 @@ def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
         node[parts[-1]] = raw
 
 
-#: partitioner arguments the engine fills in itself; a config may not set them
-_PARTITION_RESERVED = frozenset({"num_classes", "domains"})
 #: the subject of an unknown-option error under a config section
 _UNKNOWN = "config key '{where}.{{key}}': unknown option"
 
@@ -163,7 +162,7 @@ def validate_semantics(cfg: Config) -> None:
             f"config key 'data.partition.name' is required; valid: {', '.join(PARTITIONERS.names())}"
         )
     scheme = PARTITIONERS.get(part.pop("name"))
-    check_options(scheme, part, _UNKNOWN.format(where="data.partition"), 3, _PARTITION_RESERVED)
+    check_options(scheme, part, _UNKNOWN.format(where="data.partition"), 3, RESERVED)
     check_options(DATASETS.get(cfg.data.dataset), cfg.data.options, _UNKNOWN.format(where="data.options"), 1)
     model_fn = MODELS.get(cfg.model.name)
     check_options(model_fn, cfg.model.options(), _UNKNOWN.format(where="model"), 2)
