@@ -76,7 +76,7 @@ PROBE_CHUNK = 1024  # chunk size of the full local gradient (probe="full")
 STEP_PREFIX = "mf_step."  # FedNorm: payload prefix of the estimate of φ1(t) − φ1(t+1)
 
 #: how the raw learning rate was obtained
-CLOSED_FORM, BRACKETED_ROOT, SATURATED, KEPT = 0, 1, 2, 3
+CLOSED_FORM, BRACKETED_ROOT, SATURATED, KEPT, MINIMISED = 0, 1, 2, 3, 4
 
 
 # ================================================================================================ pure math
@@ -177,6 +177,55 @@ def _c_of(
     sq = X - 2.0 * eta * s + eta * eta * G  # ‖x − ηg‖²
     p = (theta * sq / phi).clamp(PBAR_FLOOR, 1.0)
     return scale * (1.0 + torch.log(p))
+
+
+def mean_field_cost(
+    eta: Tensor, X: Tensor, s: Tensor, G: Tensor, theta: Tensor, phi: Tensor, beta: float
+) -> Tensor:
+    """Client i's share of the mean-field cost of Eqs. (15)–(16) at one step, the other clients fixed:
+    ``H(η) = β p̄(η) log p̄(η) + (1 − β) η²`` with ``p̄(η) = θ ‖x − ηg‖² / φ2(t+1)`` clamped to [1e-12, 1].
+    Its stationary points are the solutions of Eq. (23)."""
+    p = (theta * (X - 2.0 * eta * s + eta * eta * G) / phi).clamp(PBAR_FLOOR, 1.0)
+    return beta * p * torch.log(p) + (1.0 - beta) * eta * eta
+
+
+def minimise_cost(
+    s: Tensor | float,
+    G: Tensor | float,
+    X: Tensor | float,
+    theta: Tensor | float,
+    phi2_next: Tensor | float,
+    beta: float,
+    hi: Tensor | float,
+    *,
+    n_grid: int = 400,
+    refine: int = 60,
+) -> Tensor:
+    """The minimiser of :func:`mean_field_cost` on ``[0, hi]`` (not in paper), vectorised in float64.
+
+    Proposition 1 takes the stationary point of Eq. (23) as optimal because ``∂²H/∂η² > 0``, but ``H`` is
+    not convex in ``η`` where ``1 + c G < 0``: there the root can be a maximum and the minimum sits on
+    the boundary. Grid search over ``n_grid + 1`` points, then golden-section refinement in the bracket
+    around the best grid point (the smallest ``η`` among ties)."""
+    s, G, X, theta, phi, hi = torch.broadcast_tensors(
+        _f64(s), _f64(G), _f64(X), _f64(theta), _f64(phi2_next).clamp_min(PHI_FLOOR), _f64(hi)
+    )
+    args = [t.reshape(-1, 1) for t in (X, s, G, theta, phi)]
+    top = hi.reshape(-1, 1)
+    grid = top * torch.linspace(0.0, 1.0, n_grid + 1, dtype=F64)  # [m, n_grid + 1]
+    best = mean_field_cost(grid, *args, beta).argmin(1, keepdim=True)
+    step = top / n_grid
+    a = (grid.gather(1, best) - step).clamp_min(0.0)
+    b = torch.minimum(grid.gather(1, best) + step, top)
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    for _ in range(refine):
+        c, d = b - ratio * (b - a), a + ratio * (b - a)
+        left = mean_field_cost(c, *args, beta) <= mean_field_cost(d, *args, beta)
+        a, b = torch.where(left, a, c), torch.where(left, d, b)
+    inner = 0.5 * (a + b)
+    candidates = torch.cat([inner, grid.gather(1, best)], 1)  # keep the grid point if it is lower
+    pick = mean_field_cost(candidates, *args, beta).argmin(1, keepdim=True)
+    return candidates.gather(1, pick).reshape(s.shape)
 
 
 def eq18_bound(
@@ -379,6 +428,12 @@ class FedEnt(Algorithm):
             description="closed form η = c s / (1 + c‖g‖²) (algebra of Eq. 23) or Eq. (24) as "
             "printed, with ‖g‖ in place of ‖g‖² (ablation)",
         )
+        solver: Literal["stationary", "minimiser"] = Field(
+            "stationary",
+            description="η_raw: the stationary point of Eq. (23) (Proposition 1, the paper) or the minimiser "
+            "of the mean-field cost β p̄ log p̄ + (1 − β) η² on [0, η_max] (not in paper; differs where "
+            "1 + cG < 0, where the cost is not convex in η)",
+        )
         fallback: Literal["root", "keep"] = Field(
             "root",
             description="singular / non-converged closed form: smallest root of Eq. (23) on [0, η_max] "
@@ -461,12 +516,25 @@ class FedEnt(Algorithm):
             f"{pre}_eta_raw_mean": float(raw.mean()),
             f"{pre}_eta_raw_zero": float((raw == 0.0).double().mean()),
             f"{pre}_eta_raw_clip": float(col("clip").mean()),
-            f"{pre}_fallback": float((branch != CLOSED_FORM).double().mean()),
+            **self.solver_diagnostics(reported),
+            f"{pre}_fallback": float(((branch != CLOSED_FORM) & (branch != MINIMISED)).double().mean()),
             f"{pre}_entropy": entropy_term(self.theta[cids], sq),
             f"{pre}_drift": float(drift.mean()),
         }
         estimators, more = self.update_estimators(server, uploads, old)
         return {**server, **estimators, "eta": etas, "diag": {**diag, **more}}
+
+    def solver_diagnostics(self, reported: list[dict]) -> dict[str, float]:
+        """Per round: the share of clients in the non-convex regime 1 + cG < 0, and how often (and by how
+        much) the cost's minimiser differs from the stationary point of Eq. (23)."""
+        if not reported or "neg_den" not in reported[0]:
+            return {}
+        gap = torch.tensor([abs(v["solver_gap"]) for v in reported], dtype=F64)
+        return {
+            f"{self.name}_neg_den": sum(v["neg_den"] for v in reported) / len(reported),
+            f"{self.name}_solvers_differ": float((gap > 1e-6).double().mean()),
+            f"{self.name}_solver_gap_mean": float(gap.mean()),
+        }
 
     def update_estimators(
         self, server: State, uploads: list[Upload], old: Mapping[str, Tensor]
@@ -564,9 +632,24 @@ class FedEnt(Algorithm):
         )
         eta, branch = float(eta_t), int(branch_t)
         hi = self.p.eta_max if bound is None else min(self.p.eta_max, float(bound))
-        pbar = min(max(theta * (X - 2.0 * eta * s + eta * eta * G) / max(phi2, PHI_FLOOR), 0.0), 1.0)
-        stats = {"s": s, "G": G, "pbar": pbar, "clip": float(eta >= hi)}
-        if branch != CLOSED_FORM and self.p.fallback == "keep":
+        # where 1 + cG < 0 the cost is not convex in η and the stationary point need not minimise it
+        K = math.sqrt(G) if self.p.eq24 == "printed" else G
+        phi = max(phi2, PHI_FLOOR)
+        pbar_s = min(max(theta * (X - 2.0 * eta * s + eta * eta * G) / phi, PBAR_FLOOR), 1.0)
+        c = self.p.beta * theta * (1.0 + math.log(pbar_s)) / ((1.0 - self.p.beta) * phi)  # Eq. (17)
+        eta_min = float(minimise_cost(s, G, X, theta, phi, self.p.beta, max(hi, 0.0)))
+        if self.p.solver == "minimiser":
+            eta, branch = eta_min, MINIMISED
+        pbar = min(max(theta * (X - 2.0 * eta * s + eta * eta * G) / phi, 0.0), 1.0)
+        stats = {
+            "s": s,
+            "G": G,
+            "pbar": pbar,
+            "clip": float(eta >= hi),
+            "neg_den": float(1.0 + c * K < 0.0),
+            "solver_gap": eta_min - float(eta_t),  # minimiser − stationary point
+        }
+        if branch in (BRACKETED_ROOT, SATURATED) and self.p.fallback == "keep":
             branch = KEPT
         return eta, branch, stats
 
