@@ -16,14 +16,20 @@ import torch
 from torch import Tensor
 
 from fedskew.data.base import Dataset
-from fedskew.data.partition import apply_partition, child_seed, client_test_split, validation_split
+from fedskew.data.partition import (
+    apply_partition,
+    child_seed,
+    client_test_split,
+    few_shot_indices,
+    validation_split,
+)
 from fedskew.errors import ConfigError, DataError
 from fedskew.registry import check_options, option_names
 
 #: ``client_test_split`` arguments filled in by :func:`build_federated` (not settable under ``data.test``)
 _TEST_RESERVED = frozenset({"num_classes", "train_domains_per_client", "test_domains"})
 #: sub-seed tags: the test and validation draws never share the partition's stream
-_TEST_TAG, _VAL_TAG = 101, 102
+_TEST_TAG, _VAL_TAG, _SHOTS_TAG = 101, 102, 103
 
 
 def personal_test_options() -> list[str]:
@@ -146,6 +152,7 @@ def build_federated(
     test: Mapping[str, Any] | None = None,
     val_fraction: float = 0.0,
     train_limit: int | None = None,
+    shots: int | None = None,
 ) -> FederatedData:
     """Partition ``dataset`` over ``num_clients`` with the scheme ``partition = {"name": ..., **options}``.
 
@@ -154,7 +161,10 @@ def build_federated(
     training distribution (``test`` = options of :func:`~fedskew.data.partition.client_test_split`, e.g.
     ``{"per_class": 40}``; with domain tags on both splits the (domain, class) mix is matched); then
     ``val_fraction`` of each client's training indices held out for validation. ``train_limit=n`` partitions
-    only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). Unknown options raise
+    only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). ``shots=K`` partitions only a
+    seeded choice of ``K`` training samples per class (the 16-shot protocol of CoOp / CacheFL), drawn before
+    the partition from its own sub-seed of ``seed`` (within the first ``train_limit`` when both are set), so
+    every partition scheme and algorithm of one seed sees the same few-shot set. Unknown options raise
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
@@ -162,12 +172,17 @@ def build_federated(
         raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
-    if train_limit is not None:  # the partition indexes the first n samples only
-        labels = labels[:train_limit]
-        domains = None if domains is None else domains[:train_limit]
+    # the partition sees the subset only; its parts are mapped back to indices of the full training set
+    subset = np.arange(len(labels) if train_limit is None else min(train_limit, len(labels)))
+    if shots is not None:
+        subset = subset[
+            few_shot_indices(labels[subset], shots, dataset.num_classes, child_seed(seed, _SHOTS_TAG))
+        ]
+    sub_domains = None if domains is None else domains[subset]
     parts = apply_partition(
-        partition, labels, num_clients, seed, num_classes=dataset.num_classes, domains=domains
+        partition, labels[subset], num_clients, seed, num_classes=dataset.num_classes, domains=sub_domains
     )
+    parts = [subset[p] for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
