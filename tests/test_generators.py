@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
+import sys
+import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -140,3 +145,85 @@ def test_folder_errors_name_the_class_folder(tmp_path):
         generate("folder", ["cat", "bird"], 1, 0, 12, root=str(tmp_path))
     with pytest.raises(ConfigError, match="is not a folder"):
         generate("folder", ["cat"], 1, 0, 12, root=str(tmp_path / "missing"))
+
+
+# -------------------------------------------------------------------------------------------- diffusers
+class _FakePipeline:
+    """Stands in for a diffusers pipeline: records its loading and calls, draws seeded noise images."""
+
+    loads: ClassVar[list] = []
+    calls: ClassVar[list] = []
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        cls.loads.append((path, kwargs))
+        return cls()
+
+    def to(self, device):
+        return self
+
+    def set_progress_bar_config(self, **kwargs):
+        pass
+
+    def __call__(self, prompt, *, num_images_per_prompt, generator, **kwargs):
+        self.calls.append((prompt, num_images_per_prompt, kwargs))
+        images = torch.rand(num_images_per_prompt, 32, 32, 3, generator=generator).numpy()
+        return types.SimpleNamespace(images=images)
+
+
+@pytest.fixture
+def fake_diffusers(monkeypatch):
+    _FakePipeline.loads, _FakePipeline.calls = [], []
+    monkeypatch.setitem(
+        sys.modules, "diffusers", types.SimpleNamespace(AutoPipelineForText2Image=_FakePipeline)
+    )
+    return _FakePipeline
+
+
+def test_diffusers_prompts_seeds_and_local_only_loading(fake_diffusers, tmp_path):
+    out = generate(
+        "diffusers", ["ankle_boot", "cat"], 5, 3, 16, checkpoint=str(tmp_path), batch_size=2, steps=4
+    )
+    assert out.images.shape == (10, 3, 16, 16) and out.images.dtype == torch.uint8
+    assert (
+        fake_diffusers.loads[0][0] == str(tmp_path) and fake_diffusers.loads[0][1]["local_files_only"] is True
+    )
+    prompts = [(p, k) for p, k, _ in fake_diffusers.calls]
+    assert prompts == [("a photo of a ankle boot.", 2)] * 2 + [("a photo of a ankle boot.", 1)] + [
+        ("a photo of a cat.", 2)
+    ] * 2 + [("a photo of a cat.", 1)]
+    assert fake_diffusers.calls[0][2]["num_inference_steps"] == 4
+    again = generate(
+        "diffusers", ["ankle_boot", "cat"], 5, 3, 16, checkpoint=str(tmp_path), batch_size=2, steps=4
+    )
+    assert torch.equal(out.images, again.images)
+    alone = generate("diffusers", ["cat"], 5, 3, 16, checkpoint=str(tmp_path), batch_size=2, steps=4)
+    assert not torch.equal(
+        alone.images, out.images[5:]
+    )  # class index enters the seed: "cat" is class 1 above
+
+
+def test_diffusers_errors(fake_diffusers, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="checkpoint .*missing does not exist"):
+        generate("diffusers", ["cat"], 1, 0, 16, checkpoint=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="template must hold one"):
+        generate("diffusers", ["cat"], 1, 0, 16, checkpoint=str(tmp_path), template="a photo")
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # as if not installed
+    with pytest.raises(
+        ConfigError, match=r"needs the diffusers package: pip install 'fedskew\[generators\]'"
+    ):
+        generate("diffusers", ["cat"], 1, 0, 16, checkpoint=str(tmp_path))
+
+
+_CHECKPOINT = os.environ.get("FEDSKEW_DIFFUSERS_CHECKPOINT")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _CHECKPOINT is None or importlib.util.find_spec("diffusers") is None,
+    reason="needs diffusers (pip install 'fedskew[generators]') and a local pipeline folder in "
+    "FEDSKEW_DIFFUSERS_CHECKPOINT",
+)
+def test_diffusers_real_checkpoint():
+    out = generate("diffusers", ["cat", "dog"], 1, 0, 32, checkpoint=str(_CHECKPOINT), steps=2, resolution=64)
+    assert out.images.shape == (2, 3, 32, 32) and out.images.float().std() > 1
