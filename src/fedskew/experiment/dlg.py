@@ -60,6 +60,26 @@ def module_target(module: nn.Module, names: Sequence[str] | None = None) -> Grad
     return GradientTarget(module, params)
 
 
+def dlg_lenet(in_shape: tuple[int, int, int], num_classes: int, seed: int = 0) -> nn.Module:
+    """The network Zhu et al. attack (DLG §4.1): three 5x5 convs of 12 channels (strides 2, 2, 1, padding 2)
+    with sigmoid activations and a linear classifier; weights and biases uniform in [-0.5, 0.5] from ``seed``.
+
+    Smooth activations keep the gradient an invertible function of the image, so this is the from-scratch
+    network on which DLG recovers the image; ReLU / max-pool networks such as ``lenet5`` resist it far more.
+    """
+    c, h, w = in_shape
+    convs = [nn.Conv2d(c, 12, 5, padding=2, stride=2), nn.Conv2d(12, 12, 5, padding=2, stride=2)]
+    convs.append(nn.Conv2d(12, 12, 5, padding=2, stride=1))
+    side = (((h + 1) // 2 + 1) // 2, ((w + 1) // 2 + 1) // 2)
+    layers: list[nn.Module] = [m for conv in convs for m in (conv, nn.Sigmoid())]
+    net = nn.Sequential(*layers, nn.Flatten(), nn.Linear(12 * side[0] * side[1], num_classes))
+    g = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+    return net
+
+
 def soft_cross_entropy(logits: Tensor, soft_labels: Tensor) -> Tensor:
     """Batch mean of ``−Σ_c y_c log softmax(logits)_c`` (``F.cross_entropy`` for one-hot ``y``)."""
     return -(soft_labels * F.log_softmax(logits, dim=-1)).sum(-1).mean()
