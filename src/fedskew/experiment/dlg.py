@@ -7,7 +7,7 @@ one with L-BFGS:
 
     min_{x', y'} Σ_W ‖∂ℓ(F(x'), softmax(y'))/∂W − ∇W‖²,    ℓ = soft-label cross-entropy.
 
-CacheFL (§4.4, Fig. 6) runs it against FedAvg (the gradient of every weight of a network trained from
+CacheFL (§4.2, Fig. 6) runs it against FedAvg (the gradient of every weight of a network trained from
 scratch on pixels) and against CacheFL (the gradient of the cache keys W1 only, Eq. 8, behind a frozen
 image encoder the attacker must invert too), 100 iterations, recording the reconstruction every 20.
 
