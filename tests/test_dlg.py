@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from fedskew.errors import ConfigError
 from fedskew.experiment.dlg import (
+    GradientTarget,
     dlg_attack,
     dlg_lenet,
     module_target,
@@ -104,6 +105,21 @@ def test_dlg_recovers_the_image_through_the_sigmoid_lenet():
     x = F.interpolate(_image(2), size=(12, 12), mode="bilinear")
     res = dlg_attack(module_target(net), x, torch.tensor([4]), 10, iterations=4, record_every=2)
     assert res.psnr[-1, 0] > 30 and res.labels.tolist() == [4]
+
+
+def test_functional_target_matches_the_module_target():
+    """Cache state held as plain tensors: a closure over W1 gives the same observed gradient."""
+    model = TinyCache()
+    w1 = model.w1.detach().clone().requires_grad_()
+
+    def logits(x: Tensor) -> Tensor:
+        f = F.normalize(model.encoder(x).flatten(1), dim=1)
+        return 100 * f @ model.text.T + torch.exp(-(1 - f @ w1)) @ model.w2
+
+    x, soft = _image(), F.one_hot(torch.tensor([2]), 10).float()
+    (a,) = target_gradient(GradientTarget(logits, (w1,)), x, soft)
+    (b,) = target_gradient(module_target(model, ["w1"]), x, soft)
+    assert torch.allclose(a, b)
 
 
 def test_module_target_errors():

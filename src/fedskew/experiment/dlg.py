@@ -13,7 +13,9 @@ image encoder the attacker must invert too), 100 iterations, recording the recon
 
 A target is any function ``images -> logits`` plus the tensors whose gradient the attacker observes
 (:class:`GradientTarget`; :func:`module_target` picks named parameters of a module, e.g. only the cache
-keys of a CacheFL model with its frozen backbone). Images are in pixel space, float in [0, 1]; the
+keys of a CacheFL model with its frozen backbone; for state held as plain tensors, build
+``GradientTarget(lambda x: logits(encoder(x), w1), (w1,))`` with ``w1.requires_grad_()``). Images are in
+pixel space, float in [0, 1]; the
 target's function applies any normalisation itself, so PSNR is measured on the [0, 1] scale.
 """
 
