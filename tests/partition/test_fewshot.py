@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fedskew.data.datasets.sklearn_digits import digits
 from fedskew.data.federated import build_federated
 from fedskew.data.partition import class_chunks, few_shot_indices, iid_divmod
-from fedskew.errors import DataError
+from fedskew.errors import ConfigError, DataError
 from tests.partition.strategies import SETTINGS, balanced, run
 
 
@@ -141,3 +141,24 @@ def test_config_key_data_shots():
     fed = build_data(build_config({"seed": 0, "data": data}))
     assert fed.client_sizes.tolist() == [16] * 10
     assert ((fed.class_counts() > 0).sum(1) == 1).all()
+
+
+def test_val_shots_are_outside_the_shots_and_follow_each_clients_mix():
+    ds = digits(None)
+    fed = build_federated(ds, 10, {"name": "class_chunks"}, 0, shots=16, val_shots=4)
+    train, val = torch.cat(fed.train_idx), torch.cat(fed.val_idx)
+    assert train.numel() == 160 and val.numel() == 40
+    assert not np.isin(val.numpy(), train.numpy()).any()  # validation never holds a training shot
+    for t, v in zip(fed.train_idx, fed.val_idx, strict=True):  # one digit per client, 4 validation images
+        assert ds.y_train[v].tolist() == [int(ds.y_train[t[0]])] * 4
+    dirichlet = {"name": "dirichlet", "alpha": 0.1, "min_size": 1}
+    fed = build_federated(ds, 10, dirichlet, 0, shots=16, val_shots=4)
+    for t, v in zip(fed.train_idx, fed.val_idx, strict=True):
+        assert set(ds.y_train[v].tolist()) <= set(ds.y_train[t].tolist())
+    assert torch.equal(torch.cat(fed.train_idx).sort().values, train.sort().values)  # same shots
+
+
+@pytest.mark.parametrize("kw", [{"val_shots": 4}, {"shots": 16, "val_shots": 4, "val_fraction": 0.2}])
+def test_val_shots_needs_shots_and_no_val_fraction(kw):
+    with pytest.raises(ConfigError, match="data.val_shots' needs data.shots"):
+        build_federated(digits(None), 10, {"name": "iid_divmod"}, 0, **kw)

@@ -29,7 +29,7 @@ from fedskew.registry import check_options, option_names
 #: ``client_test_split`` arguments filled in by :func:`build_federated` (not settable under ``data.test``)
 _TEST_RESERVED = frozenset({"num_classes", "train_domains_per_client", "test_domains"})
 #: sub-seed tags: the test and validation draws never share the partition's stream
-_TEST_TAG, _VAL_TAG, _SHOTS_TAG = 101, 102, 103
+_TEST_TAG, _VAL_TAG, _SHOTS_TAG, _VAL_SHOTS_TAG = 101, 102, 103, 104
 
 
 def personal_test_options() -> list[str]:
@@ -143,6 +143,33 @@ def _personal_tests(
     )
 
 
+def _training_subset(labels: np.ndarray, shots: int | None, num_classes: int, seed: int) -> np.ndarray:
+    """The training indices the partition splits: all of ``labels``, or ``shots`` per class of them."""
+    if shots is None:
+        return np.arange(len(labels))
+    return few_shot_indices(labels, shots, num_classes, child_seed(seed, _SHOTS_TAG))
+
+
+def _few_shot_validation(
+    labels: np.ndarray,
+    parts: list[np.ndarray],
+    outside: np.ndarray,
+    val_shots: int,
+    num_classes: int,
+    seed: int,
+) -> list[np.ndarray]:
+    """``val_shots`` samples per class from the training indices ``outside`` the shots, dealt to the clients
+    in proportion to their training class mix (the default rule of ``client_test_split``)."""
+    pool = outside[
+        few_shot_indices(labels[outside], val_shots, num_classes, child_seed(seed, _VAL_SHOTS_TAG))
+    ]
+    train_labels = [labels[p] for p in parts]
+    val, _ = client_test_split(
+        train_labels, labels[pool], child_seed(seed, _VAL_TAG), num_classes=num_classes
+    )
+    return [pool[v] for v in val]
+
+
 def build_federated(
     dataset: Dataset,
     num_clients: int,
@@ -153,6 +180,7 @@ def build_federated(
     val_fraction: float = 0.0,
     train_limit: int | None = None,
     shots: int | None = None,
+    val_shots: int | None = None,
 ) -> FederatedData:
     """Partition ``dataset`` over ``num_clients`` with the scheme ``partition = {"name": ..., **options}``.
 
@@ -164,20 +192,23 @@ def build_federated(
     only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). ``shots=K`` partitions only a
     seeded choice of ``K`` training samples per class (the 16-shot protocol of CoOp / CacheFL), drawn before
     the partition from its own sub-seed of ``seed`` (within the first ``train_limit`` when both are set), so
-    every partition scheme and algorithm of one seed sees the same few-shot set. Unknown options raise
+    every partition scheme and algorithm of one seed sees the same few-shot set. ``val_shots=V`` (with
+    ``shots``, instead of ``val_fraction``) draws ``V`` further samples per class from outside the shots and
+    gives each client a validation split in proportion to its training class mix. Unknown options raise
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
     if num_clients < 1:
         raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
+    if val_shots is not None and (shots is None or val_fraction > 0):
+        raise ConfigError(
+            "config key 'data.val_shots' needs data.shots and replaces data.val_fraction (set it 0)"
+        )
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
     # the partition sees the subset only; its parts are mapped back to indices of the full training set
-    subset = np.arange(len(labels) if train_limit is None else min(train_limit, len(labels)))
-    if shots is not None:
-        subset = subset[
-            few_shot_indices(labels[subset], shots, dataset.num_classes, child_seed(seed, _SHOTS_TAG))
-        ]
+    limit = len(labels) if train_limit is None else min(train_limit, len(labels))
+    subset = _training_subset(labels[:limit], shots, dataset.num_classes, seed)
     sub_domains = None if domains is None else domains[subset]
     parts = apply_partition(
         partition, labels[subset], num_clients, seed, num_classes=dataset.num_classes, domains=sub_domains
@@ -192,7 +223,11 @@ def build_federated(
         )
 
     test_parts, info = _personal_tests(dataset, labels, domains, parts, seed, dict(test or {}))
-    train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
+    if val_shots is None:
+        train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
+    else:
+        outside = np.setdiff1d(np.arange(limit), subset)
+        train, val = parts, _few_shot_validation(labels, parts, outside, val_shots, dataset.num_classes, seed)
 
     def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
         return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]

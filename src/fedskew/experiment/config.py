@@ -54,6 +54,11 @@ class DataConfig(Strict):
     shots: int | None = Field(
         None, ge=1, description="partition only K seeded training samples per class (CacheFL's 16 shots)"
     )
+    val_shots: int | None = Field(
+        None,
+        ge=1,
+        description="with shots: V more samples per class as validation, dealt like each client's mix",
+    )
 
 
 class ModelConfig(BaseModel):

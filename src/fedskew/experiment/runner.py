@@ -65,6 +65,7 @@ def build_data(cfg: Config) -> FederatedData:
         val_fraction=cfg.data.val_fraction,
         train_limit=cfg.data.train_limit,
         shots=cfg.data.shots,
+        val_shots=cfg.data.val_shots,
     )
 
 
