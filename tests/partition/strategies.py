@@ -14,6 +14,7 @@ SETTINGS = settings(max_examples=30, deadline=None)
 FEASIBLE = [
     {"name": "iid"},
     {"name": "iid", "unbalanced_sigma": 1.0},
+    {"name": "iid_divmod"},
     {"name": "quantity", "min_size": 1},
     {"name": "quantity", "distribution": "powerlaw", "exponent": 2.0, "min_size": 2},
     {"name": "quantity", "distribution": "dirichlet", "beta": 0.3, "min_size": 1},

@@ -16,14 +16,20 @@ import torch
 from torch import Tensor
 
 from fedskew.data.base import Dataset
-from fedskew.data.partition import apply_partition, child_seed, client_test_split, validation_split
+from fedskew.data.partition import (
+    apply_partition,
+    child_seed,
+    client_test_split,
+    few_shot_indices,
+    validation_split,
+)
 from fedskew.errors import ConfigError, DataError
 from fedskew.registry import check_options, option_names
 
 #: ``client_test_split`` arguments filled in by :func:`build_federated` (not settable under ``data.test``)
 _TEST_RESERVED = frozenset({"num_classes", "train_domains_per_client", "test_domains"})
 #: sub-seed tags: the test and validation draws never share the partition's stream
-_TEST_TAG, _VAL_TAG = 101, 102
+_TEST_TAG, _VAL_TAG, _SHOTS_TAG, _VAL_SHOTS_TAG = 101, 102, 103, 104
 
 
 def personal_test_options() -> list[str]:
@@ -137,6 +143,33 @@ def _personal_tests(
     )
 
 
+def _training_subset(labels: np.ndarray, shots: int | None, num_classes: int, seed: int) -> np.ndarray:
+    """The training indices the partition splits: all of ``labels``, or ``shots`` per class of them."""
+    if shots is None:
+        return np.arange(len(labels))
+    return few_shot_indices(labels, shots, num_classes, child_seed(seed, _SHOTS_TAG))
+
+
+def _few_shot_validation(
+    labels: np.ndarray,
+    parts: list[np.ndarray],
+    outside: np.ndarray,
+    val_shots: int,
+    num_classes: int,
+    seed: int,
+) -> list[np.ndarray]:
+    """``val_shots`` samples per class from the training indices ``outside`` the shots, dealt to the clients
+    in proportion to their training class mix (the default rule of ``client_test_split``)."""
+    pool = outside[
+        few_shot_indices(labels[outside], val_shots, num_classes, child_seed(seed, _VAL_SHOTS_TAG))
+    ]
+    train_labels = [labels[p] for p in parts]
+    val, _ = client_test_split(
+        train_labels, labels[pool], child_seed(seed, _VAL_TAG), num_classes=num_classes
+    )
+    return [pool[v] for v in val]
+
+
 def build_federated(
     dataset: Dataset,
     num_clients: int,
@@ -146,6 +179,8 @@ def build_federated(
     test: Mapping[str, Any] | None = None,
     val_fraction: float = 0.0,
     train_limit: int | None = None,
+    shots: int | None = None,
+    val_shots: int | None = None,
 ) -> FederatedData:
     """Partition ``dataset`` over ``num_clients`` with the scheme ``partition = {"name": ..., **options}``.
 
@@ -154,20 +189,31 @@ def build_federated(
     training distribution (``test`` = options of :func:`~fedskew.data.partition.client_test_split`, e.g.
     ``{"per_class": 40}``; with domain tags on both splits the (domain, class) mix is matched); then
     ``val_fraction`` of each client's training indices held out for validation. ``train_limit=n`` partitions
-    only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). Unknown options raise
+    only the first ``n`` training samples (MP-FedCL uses 2,000 MNIST images). ``shots=K`` partitions only a
+    seeded choice of ``K`` training samples per class (the 16-shot protocol of CoOp / CacheFL), drawn before
+    the partition from its own sub-seed of ``seed`` (within the first ``train_limit`` when both are set), so
+    every partition scheme and algorithm of one seed sees the same few-shot set. ``val_shots=V`` (with
+    ``shots``, instead of ``val_fraction``) draws ``V`` further samples per class from outside the shots and
+    gives each client a validation split in proportion to its training class mix. Unknown options raise
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
     if num_clients < 1:
         raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
+    if val_shots is not None and (shots is None or val_fraction > 0):
+        raise ConfigError(
+            "config key 'data.val_shots' needs data.shots and replaces data.val_fraction (set it 0)"
+        )
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
-    if train_limit is not None:  # the partition indexes the first n samples only
-        labels = labels[:train_limit]
-        domains = None if domains is None else domains[:train_limit]
+    # the partition sees the subset only; its parts are mapped back to indices of the full training set
+    limit = len(labels) if train_limit is None else min(train_limit, len(labels))
+    subset = _training_subset(labels[:limit], shots, dataset.num_classes, seed)
+    sub_domains = None if domains is None else domains[subset]
     parts = apply_partition(
-        partition, labels, num_clients, seed, num_classes=dataset.num_classes, domains=domains
+        partition, labels[subset], num_clients, seed, num_classes=dataset.num_classes, domains=sub_domains
     )
+    parts = [subset[p] for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
@@ -177,7 +223,11 @@ def build_federated(
         )
 
     test_parts, info = _personal_tests(dataset, labels, domains, parts, seed, dict(test or {}))
-    train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
+    if val_shots is None:
+        train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
+    else:
+        outside = np.setdiff1d(np.arange(limit), subset)
+        train, val = parts, _few_shot_validation(labels, parts, outside, val_shots, dataset.num_classes, seed)
 
     def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
         return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]

@@ -51,6 +51,14 @@ class DataConfig(Strict):
     train_limit: int | None = Field(
         None, ge=1, description="partition only the first n training samples (MP-FedCL's 2,000 MNIST images)"
     )
+    shots: int | None = Field(
+        None, ge=1, description="partition only K seeded training samples per class (CacheFL's 16 shots)"
+    )
+    val_shots: int | None = Field(
+        None,
+        ge=1,
+        description="with shots: V more samples per class as validation, dealt like each client's mix",
+    )
 
 
 class ModelConfig(BaseModel):

@@ -64,6 +64,8 @@ def build_data(cfg: Config) -> FederatedData:
         test=cfg.data.test or None,
         val_fraction=cfg.data.val_fraction,
         train_limit=cfg.data.train_limit,
+        shots=cfg.data.shots,
+        val_shots=cfg.data.val_shots,
     )
 
 

@@ -53,7 +53,7 @@ def generate(
 
 
 def _register_builtins() -> None:
-    from fedskew.data.generators import procedural  # noqa: F401
+    from fedskew.data.generators import diffusion, folder, fonts, procedural  # noqa: F401
 
 
 _register_builtins()

@@ -9,7 +9,8 @@ unused where it says so (``nway_kshot``, ``longtail``, ``dirichlet`` in ``per_cl
 :class:`~fedskew.errors.DataError` naming the reason. Background and pictures: ``docs/partitions.md``.
 
 Families: :mod:`.quantity` (iid, quantity), :mod:`.dirichlet` and :mod:`.pathological` (label skew),
-:mod:`.domain` (feature skew), :mod:`.compose` (long tail ∘ any), :mod:`.splits` (per-client test and
+:mod:`.domain` (feature skew), :mod:`.fewshot` (the K-shot protocol and its iid / disjoint-class splits),
+:mod:`.compose` (long tail ∘ any), :mod:`.splits` (per-client test and
 validation splits); :mod:`.core` holds the shared machinery and :func:`apply_partition`.
 """
 
@@ -23,6 +24,7 @@ from fedskew.data.partition.core import (
 )
 from fedskew.data.partition.dirichlet import dirichlet
 from fedskew.data.partition.domain import domain
+from fedskew.data.partition.fewshot import class_chunks, few_shot_indices, iid_divmod
 from fedskew.data.partition.pathological import classes_per_client, nway_kshot, shards
 from fedskew.data.partition.quantity import iid, quantity
 from fedskew.data.partition.splits import client_test_split, validation_split
@@ -32,11 +34,14 @@ __all__ = [
     "apply_partition",
     "check_parts",
     "child_seed",
+    "class_chunks",
     "classes_per_client",
     "client_test_split",
     "dirichlet",
     "domain",
+    "few_shot_indices",
     "iid",
+    "iid_divmod",
     "longtail",
     "nway_kshot",
     "partition_options",
