@@ -100,14 +100,17 @@ def _encode(backbone: Backbone, images: Tensor, split: str, rows: Tensor | None)
         return backbone.encode_images(images, split, rows).float().cpu()
 
 
-def synthetic_set(spec: VisionLanguageSpec, names: list[str], size: int, seed: int) -> tuple[Tensor, Tensor]:
-    """The generator's first ``shots`` images per class (of a pool of ``pool``), class-major, and labels."""
+def synthetic_set(
+    spec: VisionLanguageSpec, names: list[str], size: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The generator's first ``shots`` images per class of a pool of ``pool`` per class (class-major), their
+    labels and their rows in the pool."""
     pool = spec.pool or spec.shots
     if pool < spec.shots:
         raise ConfigError(f"data.vision_language.pool ({pool}) must be >= shots ({spec.shots})")
     out = generate(spec.generator, names, pool, seed, size, **spec.generator_options)
-    keep = (torch.arange(pool) < spec.shots).repeat(len(names))
-    return out.images[keep], out.labels[keep]
+    rows = torch.nonzero((torch.arange(pool) < spec.shots).repeat(len(names))).flatten()
+    return out.images[rows], out.labels[rows], rows
 
 
 def text_embeddings(
@@ -126,8 +129,8 @@ def text_embeddings(
             raise ConfigError(f"backbone '{spec.backbone}' has no text encoder; use text_head: prototypes")
         with torch.no_grad():
             return normalize(backbone.encode_texts(class_prompts(spec.template, names)).cpu())
-    images, labels = synthetic_set(spec, names, size, derive_seed(spec.seed, _PROTO_TAG))
-    feats = normalize(encode_cached(backbone, images, "prototypes", None, cache_dir))
+    images, labels, rows = synthetic_set(spec, names, size, derive_seed(spec.seed, _PROTO_TAG))
+    feats = normalize(encode_cached(backbone, images, "prototypes", rows, cache_dir))
     sums = torch.zeros(len(names), feats.shape[1]).index_add_(0, labels, feats)
     return normalize(sums)
 
@@ -144,8 +147,8 @@ def vision_language_data(fed: FederatedData, spec: VisionLanguageSpec, root: Pat
     train = torch.zeros(ds.x_train.shape[0], backbone.embed_dim)
     train[rows] = normalize(encode_cached(backbone, ds.x_train[rows], "train", rows, cache_dir))
     test = normalize(encode_cached(backbone, ds.x_test, "test", None, cache_dir))
-    syn_images, syn_labels = synthetic_set(spec, names, size, spec.seed)
-    cache_x = normalize(encode_cached(backbone, syn_images, "synthetic", None, cache_dir))
+    syn_images, syn_labels, syn_rows = synthetic_set(spec, names, size, spec.seed)
+    cache_x = normalize(encode_cached(backbone, syn_images, "synthetic", syn_rows, cache_dir))
     text = text_embeddings(spec, backbone, names, size, cache_dir)
     assets = {"cache_x": cache_x, "cache_y": syn_labels, "text": text}
     meta = {
