@@ -32,9 +32,9 @@ def package_algorithms() -> list[str]:
 
 
 NAMES = package_algorithms()
-#: vision-language methods train heads over a backbone's features: a random CNN and procedural images
+#: vision-language methods train heads over a backbone's features: a tiny random CLIP, procedural images
 VL_WORLD = {
-    "backbone": {"name": "random_cnn", "options": {"embed_dim": 16}},
+    "backbone": {"name": "random_clip"},
     "generator": {"name": "procedural"},
     "shots": 2,
     "cache": False,

@@ -6,6 +6,10 @@
   bottleneck on the image embedding, ``A(f) = ReLU(W₂ ReLU(W₁ f))`` with ``C → C/reduction → C``, mixed
   residually ``f' = ρ A(f) + (1 − ρ) f`` (ρ: CLIP-Adapter's ratio, 0.2) and classified zero-shot by
   ``s · normalise(f') W_textᵀ``. Only the adapter is trained and averaged (FedAvg, n_k weights).
+* ``promptfl``: prompt tuning + FL (Guo et al. 2023) as CoOp (Zhou et al. 2022): p = 16 context vectors in
+  the text encoder's token-embedding space, shared by all classes, class name at the end
+  (``[SOS] ctx_1 … ctx_p <class>. [EOS]``); W_text = normalise(TextEncoder(prompts)); only the context is
+  trained and averaged. It back-propagates through the frozen text transformer every step.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from torch import Tensor, nn
 
 from fedskew.algorithms.base import ALGORITHMS, HyperParams
 from fedskew.algorithms.vision_language import TextHead, UntrainedMethod, VisionLanguageMethod, vl_assets
+from fedskew.errors import ConfigError
 from fedskew.seeding import derive_seed
 
 _ADAPTER_INIT_KEY = 0xADA9  # the adapter's initial weights: from the run's seed, the same on every process
+_PROMPT_INIT_KEY = 0xC00F  # the context vectors' initial values
 
 
 class ZeroShotParams(HyperParams):
@@ -75,3 +81,44 @@ class AdapterFL(VisionLanguageMethod):
 
     def trained(self, name: str) -> bool:
         return name.startswith("adapter.")
+
+
+class PromptModel(nn.Module):
+    """CoOp head: the context ``ctx`` (trained) through the frozen text tower gives W_text (Eq. 5)."""
+
+    def __init__(self, encoder: nn.Module, n_ctx: int, scale: float, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ctx = nn.Parameter(0.02 * torch.randn(n_ctx, encoder.width, generator=g))  # CoOp's init std
+        self.encoder, self.scale = encoder, scale
+
+    def class_embeddings(self) -> Tensor:
+        return F.normalize(self.encoder(self.ctx), dim=-1)
+
+    def forward(self, f: Tensor) -> Tensor:
+        return self.scale * f @ self.class_embeddings().T
+
+
+@ALGORITHMS.register("promptfl")
+class PromptFL(VisionLanguageMethod):
+    """PromptFL (Guo et al. 2023; CacheFL Table 1): CoOp context vectors learned and averaged, text tower
+    frozen; needs a backbone with a text transformer (``open_clip``)."""
+
+    class Params(ZeroShotParams):
+        n_ctx: int = Field(16, ge=1, description="p learnable context tokens (CacheFL §4.1: 16 × 512)")
+
+    p: Params
+
+    def build_head(self) -> nn.Module:
+        if "prompt_encoder" not in self.ctx.assets:
+            raise ConfigError(
+                f"algorithm '{self.name}' learns prompts in a text encoder: data.vision_language.backbone "
+                "must have a text tower (open_clip, random_clip)"
+            )
+        encoder = self.ctx.assets["prompt_encoder"](self.p.n_ctx)
+        return PromptModel(
+            encoder, self.p.n_ctx, self.p.logit_scale, derive_seed(self.ctx.seed, _PROMPT_INIT_KEY)
+        )
+
+    def trained(self, name: str) -> bool:
+        return name == "ctx"

@@ -11,7 +11,7 @@ FedAvg's weights (Eq. 9). Frozen parts are buffers: never trained, never sent.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -33,7 +33,7 @@ from fedskew.errors import ConfigError
 from fedskew.models.base import count_parameters
 
 
-def vl_assets(ctx_assets: Mapping[str, Tensor], method: str, *names: str) -> list[Tensor]:
+def vl_assets(ctx_assets: Mapping[str, Any], method: str, *names: str) -> list[Any]:
     """The named assets, or a one-line error saying the method needs ``data.vision_language``."""
     missing = [n for n in names if n not in ctx_assets]
     if missing:
@@ -41,7 +41,9 @@ def vl_assets(ctx_assets: Mapping[str, Tensor], method: str, *names: str) -> lis
             f"algorithm '{method}' needs config key 'data.vision_language' (backbone features, synthetic "
             f"cache and class embeddings); missing asset '{missing[0]}'"
         )
-    return [ctx_assets[n].detach().clone() for n in names]
+    return [
+        ctx_assets[n].detach().clone() if isinstance(ctx_assets[n], Tensor) else ctx_assets[n] for n in names
+    ]
 
 
 class VisionLanguageMethod(Algorithm):

@@ -21,6 +21,7 @@ as on the raw images.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -150,7 +151,9 @@ def vision_language_data(fed: FederatedData, spec: VisionLanguageSpec, root: Pat
     syn_images, syn_labels, syn_rows = synthetic_set(spec, names, size, spec.seed)
     cache_x = normalize(encode_cached(backbone, syn_images, "synthetic", syn_rows, cache_dir))
     text = text_embeddings(spec, backbone, names, size, cache_dir)
-    assets = {"cache_x": cache_x, "cache_y": syn_labels, "text": text}
+    assets: dict[str, Any] = {"cache_x": cache_x, "cache_y": syn_labels, "text": text}
+    if hasattr(backbone, "prompt_encoder"):  # a text tower: prompt learning can run through it
+        assets["prompt_encoder"] = functools.partial(backbone.prompt_encoder, names)
     meta = {
         **ds.meta,
         "assets": assets,

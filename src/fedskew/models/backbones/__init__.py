@@ -74,7 +74,7 @@ def resolve_path(root: Path, path: str | Path) -> Path:
 
 
 def _register_builtins() -> None:
-    from fedskew.models.backbones import efficientnet_lite, features, random_cnn  # noqa: F401
+    from fedskew.models.backbones import efficientnet_lite, features, open_clip_backbone, random_cnn  # noqa: F401
 
 
 _register_builtins()
