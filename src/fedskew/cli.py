@@ -28,9 +28,18 @@ def _registries() -> dict[str, Any]:
     from fedskew import algorithms, data, models  # noqa: F401  (import registers)
     from fedskew.algorithms.base import ALGORITHMS
     from fedskew.data.base import DATASETS, PARTITIONERS
+    from fedskew.data.generators import GENERATORS
+    from fedskew.models.backbones import BACKBONES
     from fedskew.models.base import MODELS
 
-    return {"algorithms": ALGORITHMS, "models": MODELS, "datasets": DATASETS, "partitions": PARTITIONERS}
+    return {
+        "algorithms": ALGORITHMS,
+        "models": MODELS,
+        "datasets": DATASETS,
+        "partitions": PARTITIONERS,
+        "backbones": BACKBONES,
+        "generators": GENERATORS,
+    }
 
 
 def _progress() -> Progress:
@@ -207,7 +216,7 @@ def sweep(
 
 @app.command("list")
 def list_() -> None:
-    """List algorithms, models, datasets and partition schemes, one line each."""
+    """List algorithms, models, datasets, partition schemes, backbones and generators, one line each."""
     for title, reg in _registries().items():
         table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
         table.add_column(style="bold cyan", no_wrap=True)
