@@ -23,7 +23,7 @@ from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
-from tests.conftest import digits_config
+from tests.conftest import VL_WORLD, digits_config
 
 
 def package_algorithms() -> list[str]:
@@ -32,13 +32,6 @@ def package_algorithms() -> list[str]:
 
 
 NAMES = package_algorithms()
-#: vision-language methods train heads over a backbone's features: a tiny random CLIP, procedural images
-VL_WORLD = {
-    "backbone": {"name": "random_clip"},
-    "generator": {"name": "procedural"},
-    "shots": 2,
-    "cache": False,
-}
 TIMING = ("seconds",)
 
 
