@@ -26,6 +26,15 @@ requires_data = pytest.mark.skipif(
 )
 
 
+#: vision-language methods train heads over a backbone's features: a tiny random CLIP, procedural images
+VL_WORLD = {
+    "backbone": {"name": "random_clip"},
+    "generator": {"name": "procedural"},
+    "shots": 2,
+    "cache": False,
+}
+
+
 def digits_config(**over) -> dict:
     """A fast digits federation; keyword arguments replace top-level sections / keys."""
     cfg = {

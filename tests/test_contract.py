@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
-from tests.conftest import digits_config
+from tests.conftest import VL_WORLD, digits_config
 
 
 def package_algorithms() -> list[str]:
@@ -47,6 +48,9 @@ def tiny_config(name: str, rounds: int = 2, **engine: Any) -> dict:
     )
     if alg.personalized_eval:
         cfg["eval"] = {"protocol": "personalized", "every": 1}
+    if getattr(alg, "vision_language", False):  # runs on frozen-backbone features: a feature world
+        cfg["data"]["vision_language"] = VL_WORLD
+        cfg["model"] = {"name": "identity"}
     if name == "fedrep":  # keep the head phase short
         cfg["algorithm"]["head_epochs"] = 1
     return cfg
@@ -105,7 +109,9 @@ def test_a_round_runs_and_every_upload_is_accepted(name):
     record = sim.run_round().record
     assert record is not None and record["round"] == 1 and sim.round == 1
     assert record["rejected"] == 0
-    assert torch.isfinite(torch.tensor([record["accuracy"], record["loss"], record["train_loss"]])).all()
+    assert torch.isfinite(torch.tensor([record["accuracy"], record["loss"]])).all()
+    # a method that trains nothing (zero-shot, an untrained cache) sends nothing and has no training loss
+    assert math.isfinite(record["train_loss"]) or record["round_bytes_up"] == 0
     assert (
         record["round_bytes_down"] == record["bytes_down"] and record["round_bytes_up"] == record["bytes_up"]
     )
@@ -174,7 +180,7 @@ def test_every_engine_mode_gives_the_sequential_numbers(name, mode, engine, capl
             for _ in range(2):
                 a, b = seq.run_round().record, other.run_round().record
                 for key in ("accuracy", "loss", "train_loss"):
-                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (mode, key)
+                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7, nan_ok=True), (mode, key)
         assert other.executor.name == mode and "sequentially" not in caplog.text  # no silent fallback
         for key, value in seq.server.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point():

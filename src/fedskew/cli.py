@@ -1,4 +1,4 @@
-"""``fedskew`` command line: run, sweep, list, report, demo, data show.
+"""``fedskew`` command line: run, sweep, list, report, demo, data show, features, cachefl-search.
 
 Bad input exits with code 2 and one line naming the problem and the allowed values.
 """
@@ -28,9 +28,18 @@ def _registries() -> dict[str, Any]:
     from fedskew import algorithms, data, models  # noqa: F401  (import registers)
     from fedskew.algorithms.base import ALGORITHMS
     from fedskew.data.base import DATASETS, PARTITIONERS
+    from fedskew.data.generators import GENERATORS
+    from fedskew.models.backbones import BACKBONES
     from fedskew.models.base import MODELS
 
-    return {"algorithms": ALGORITHMS, "models": MODELS, "datasets": DATASETS, "partitions": PARTITIONERS}
+    return {
+        "algorithms": ALGORITHMS,
+        "models": MODELS,
+        "datasets": DATASETS,
+        "partitions": PARTITIONERS,
+        "backbones": BACKBONES,
+        "generators": GENERATORS,
+    }
 
 
 def _progress() -> Progress:
@@ -207,7 +216,7 @@ def sweep(
 
 @app.command("list")
 def list_() -> None:
-    """List algorithms, models, datasets and partition schemes, one line each."""
+    """List algorithms, models, datasets, partition schemes, backbones and generators, one line each."""
     for title, reg in _registries().items():
         table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
         table.add_column(style="bold cyan", no_wrap=True)
@@ -270,6 +279,43 @@ def demo(
         groups, out / "accuracy.png", "digits, Dirichlet(0.3), 10 clients, personalized test"
     )
     console.print(f"plot: {path}")
+
+
+@app.command()
+def features(
+    config: Path = typer.Argument(..., help="YAML config file with data.vision_language"),
+    out: Path = typer.Option(..., "--out", help="output .pt file (load it with backbone 'features')"),
+    set_: list[str] = typer.Option([], "--set", help="override: dotted.key=value (repeatable)"),
+) -> None:
+    """Extract a config's backbone features (train, test, synthetic cache, text) into one .pt file."""
+    from fedskew.experiment.cachefl_tools import export_features
+    from fedskew.experiment.config import load_config
+
+    path = export_features(load_config(config, set_), out)
+    console.print(f"features: {path}")
+
+
+@app.command("cachefl-search")
+def cachefl_search(
+    config: Path = typer.Argument(..., help="config with data.vision_language, data.val_fraction > 0"),
+    set_: list[str] = typer.Option([], "--set", help="override: dotted.key=value (repeatable)"),
+    alpha_max: float = typer.Option(10.0, "--alpha-max", help="Tip-Adapter search scale of α"),
+    beta_max: float = typer.Option(10.0, "--beta-max", help="Tip-Adapter search scale of β"),
+    trained: bool = typer.Option(False, "--trained", help="search with the keys after a full federated run"),
+    out: Path | None = typer.Option(None, "--out", help="write the choice as JSON"),
+) -> None:
+    """Choose CacheFL's α and β by Tip-Adapter's grid search on the clients' validation split."""
+    import json
+
+    from fedskew.experiment.cachefl_tools import search_alpha_beta
+    from fedskew.experiment.config import load_config
+
+    result = search_alpha_beta(load_config(config, set_), alpha_max, beta_max, trained)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    typer.echo(json.dumps(result))
+    typer.echo(f"--set algorithm.alpha={result['alpha']} --set algorithm.beta={result['beta']}")
 
 
 @data_app.command("show")

@@ -17,7 +17,7 @@ import torch
 from fedskew.algorithms import ALGORITHMS
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
-from tests.conftest import digits_config
+from tests.conftest import VL_WORLD, digits_config
 
 RESULTS = Path(__file__).with_name("results.json")
 #: wall-clock fields: not results
@@ -55,6 +55,9 @@ def case_config(name: str) -> dict[str, Any]:
             "embed_dim": 32,
             "per_client": {"0-1": {"hidden": 48}, "2-3": {"hidden": 80}},
         }
+    elif getattr(ALGORITHMS.get(alg), "vision_language", False):  # heads over frozen-backbone features
+        cfg["data"]["vision_language"] = VL_WORLD
+        cfg["model"] = {"name": "identity"}
     else:
         cfg["model"] = {"name": "mlp_mpfedcl", "hidden": 64, "embed_dim": 32}
     return cfg

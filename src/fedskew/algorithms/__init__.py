@@ -1,6 +1,8 @@
 """Algorithms: one module per method; importing this package registers them all."""
 
 from fedskew.algorithms import (  # noqa: F401
+    cachefl,
+    clip_baselines,
     fedavg,
     feddyn,
     fedent,

@@ -142,6 +142,10 @@ class Context:
     initial_model: Callable[[int | None], nn.Module] | None = None
     #: arch_key(cid) -> a key equal for clients whose models have the same architecture
     arch_key: Callable[[int | None], Hashable] = lambda cid: None
+    #: what the data pipeline derived for the method, the same on every process (vision-language methods:
+    #: the synthetic cache ``cache_x``/``cache_y``, the class embeddings ``text`` and, with a text tower,
+    #: ``prompt_encoder(n_ctx)`` building the frozen prompt-learning text encoder)
+    assets: Mapping[str, Any] = field(default_factory=dict)
 
     def model_template(self, cid: int | None) -> nn.Module:
         """A new model of ``cid``'s architecture with the run's initial weights (names, shapes)."""

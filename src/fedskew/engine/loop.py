@@ -70,6 +70,7 @@ def build_runtime(
         build_model=models.build,
         initial_model=models.initial,
         arch_key=models.arch_key,
+        assets=ds.meta.get("assets", {}),
     )
     algorithm = algorithm_cls(params, ctx)
     models.prepare = algorithm.prepare_model

@@ -31,6 +31,28 @@ class FrozenEncoderConfig(Strict):
     batch_size: int = Field(256, ge=1, description="encoding batch size")
 
 
+class NamedOptions(Strict):
+    """A registry name and its options."""
+
+    name: str = Field(..., description="registry name")
+    options: dict[str, Any] = Field(default_factory=dict, description="options of the named object")
+
+
+class VisionLanguageConfig(Strict):
+    """A frozen backbone's features of the images, a generator's synthetic cache set and class embeddings
+    (CacheFL and its baselines; docs/algorithms.md)."""
+
+    backbone: NamedOptions = Field(..., description="backbone registry name + options (`fedskew list`)")
+    generator: NamedOptions = Field(..., description="text-to-image generator registry name + options")
+    shots: int = Field(16, ge=1, description="K: synthetic images per class in the cache")
+    pool: int | None = Field(None, ge=1, description="images drawn per class; the cache keeps the first K")
+    template: str = Field("a photo of a {}.", description="class prompt template of the text encoder")
+    text_head: str = Field("auto", description="auto | encoder | prototypes (generated-prototype head)")
+    seed: int = Field(0, description="generator seed (one synthetic set per dataset, not per run seed)")
+    image_size: int | None = Field(None, ge=8, description="generator resolution; default the backbone's")
+    cache: bool = Field(True, description="keep features on disk under <data root>/features")
+
+
 class DataConfig(Strict):
     dataset: str = Field("digits", description="dataset registry name (`fedskew list`)")
     root: str | None = Field(None, description="data root; default $FEDSKEW_DATA, else ~/.cache/fedskew")
@@ -47,6 +69,9 @@ class DataConfig(Strict):
     )
     frozen_encoder: FrozenEncoderConfig | None = Field(
         None, description="replace images by a frozen pre-trained encoder's features (MP-FedCL, Table II)"
+    )
+    vision_language: VisionLanguageConfig | None = Field(
+        None, description="replace images by a frozen backbone's features + cache and text assets (CacheFL)"
     )
     train_limit: int | None = Field(
         None, ge=1, description="partition only the first n training samples (MP-FedCL's 2,000 MNIST images)"
@@ -172,6 +197,29 @@ def validate_semantics(cfg: Config) -> None:
     scheme = PARTITIONERS.get(part.pop("name"))
     check_options(scheme, part, _UNKNOWN.format(where="data.partition"), 3, RESERVED)
     check_options(DATASETS.get(cfg.data.dataset), cfg.data.options, _UNKNOWN.format(where="data.options"), 1)
+    vl = cfg.data.vision_language
+    if vl is not None:
+        from fedskew.data.generators import GENERATORS
+        from fedskew.models.backbones import BACKBONES
+
+        where = "data.vision_language.{}.options"
+        check_options(
+            BACKBONES.get(vl.backbone.name),
+            vl.backbone.options,
+            _UNKNOWN.format(where=where.format("backbone")),
+            1,
+        )
+        check_options(
+            GENERATORS.get(vl.generator.name),
+            vl.generator.options,
+            _UNKNOWN.format(where=where.format("generator")),
+            4,
+        )
+    if getattr(ALGORITHMS.get(cfg.algorithm.name), "vision_language", False) and vl is None:
+        raise ConfigError(
+            f"algorithm '{cfg.algorithm.name}' runs on backbone features: config key 'data.vision_language' "
+            "is required (backbone, generator, shots, template)"
+        )
     model_fn = MODELS.get(cfg.model.name)
     check_options(model_fn, cfg.model.options(), _UNKNOWN.format(where="model"), 2)
     for rng, opts in cfg.model.per_client.items():

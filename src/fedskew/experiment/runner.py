@@ -25,9 +25,10 @@ from fedskew.data.base import DATASETS
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.loop import Simulation
 from fedskew.errors import ConfigError, FedskewError
-from fedskew.experiment.config import Config, dump_config, parse_client_range
+from fedskew.experiment.config import Config, VisionLanguageConfig, dump_config, parse_client_range
 from fedskew.models.base import MODELS
 from fedskew.models.frozen import frozen_features
+from fedskew.models.vision_language import VisionLanguageSpec, vision_language_data
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -56,7 +57,7 @@ def build_data(cfg: Config) -> FederatedData:
     if enc is not None:
         weights = Path(enc.weights) if Path(enc.weights).is_absolute() else Path(root) / enc.weights
         dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, cfg.engine.device)
-    return build_federated(
+    fed = build_federated(
         dataset,
         cfg.data.num_clients,
         cfg.data.partition,
@@ -66,6 +67,22 @@ def build_data(cfg: Config) -> FederatedData:
         train_limit=cfg.data.train_limit,
         shots=cfg.data.shots,
         val_shots=cfg.data.val_shots,
+    )
+    vl = cfg.data.vision_language
+    if vl is not None:
+        fed = vision_language_data(fed, vision_language_spec(vl), root)
+    return fed
+
+
+def vision_language_spec(vl: VisionLanguageConfig) -> VisionLanguageSpec:
+    """The pipeline's spec from the validated ``data.vision_language`` section."""
+    fields = vl.model_dump(exclude={"backbone", "generator"})
+    return VisionLanguageSpec(
+        backbone=vl.backbone.name,
+        backbone_options=dict(vl.backbone.options),
+        generator=vl.generator.name,
+        generator_options=dict(vl.generator.options),
+        **fields,
     )
 
 

@@ -1,0 +1,88 @@
+"""CacheFL's α/β grid search (Tip-Adapter's grid, validation split only) and ``fedskew features`` files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedskew.errors import ConfigError
+from fedskew.experiment.cachefl_tools import (
+    export_features,
+    grid_accuracy,
+    search_alpha_beta,
+    tip_adapter_grid,
+)
+from fedskew.experiment.config import build_config
+from fedskew.experiment.runner import build_data
+
+
+def digits_vl(**data) -> dict:
+    return {
+        "data": {
+            "dataset": "digits",
+            "num_clients": 3,
+            "partition": {"name": "iid"},
+            "train_limit": 90,
+            "vision_language": {
+                "backbone": {"name": "random_cnn", "options": {"embed_dim": 12}},
+                "generator": {"name": "procedural"},
+                "shots": 2,
+                "cache": False,
+            },
+            **data,
+        },
+        "model": {"name": "identity"},
+        "algorithm": {"name": "cachefl"},
+        "rounds": 2,
+    }
+
+
+def test_the_grid_is_tip_adapters():
+    alphas, betas = tip_adapter_grid(alpha_max=2.1, beta_max=20.1)
+    assert len(alphas) == 20 and len(betas) == 200
+    assert alphas[0] == pytest.approx(0.1) and alphas[1] == pytest.approx(0.2) and alphas[-1] < 2.1
+    assert betas[0] == pytest.approx(0.1) and betas[1] == pytest.approx(0.2)
+
+
+def test_grid_accuracy_is_the_accuracy_of_eq7_at_each_point():
+    g = torch.Generator().manual_seed(0)
+    f, text = (
+        F.normalize(torch.randn(30, 8, generator=g), dim=1),
+        F.normalize(torch.randn(3, 8, generator=g), dim=1),
+    )
+    keys, labels = F.normalize(torch.randn(6, 8, generator=g), dim=1), torch.tensor([0, 0, 1, 1, 2, 2])
+    y = torch.randint(0, 3, (30,), generator=g)
+    alphas, betas = (
+        torch.tensor([0.0, 1.0, 50.0], dtype=torch.float64),
+        torch.tensor([0.5, 4.0], dtype=torch.float64),
+    )
+    acc = grid_accuracy(f, y, text, keys, labels, alphas, betas, 100.0)
+    for i, b in enumerate(betas.tolist()):
+        for j, a in enumerate(alphas.tolist()):
+            logits = 100 * f @ text.T + a * torch.exp(-b * (1 - f @ keys.T)) @ F.one_hot(labels, 3).float()
+            assert acc[i, j] == pytest.approx(float((logits.argmax(1) == y).float().mean()))
+    assert acc[0, 0] == acc[1, 0]  # α = 0: zero-shot whatever β
+
+
+def test_the_search_uses_a_validation_split_and_refuses_without_one():
+    with pytest.raises(ConfigError, match="val_fraction"):
+        search_alpha_beta(build_config(digits_vl()))
+    result = search_alpha_beta(build_config(digits_vl(val_fraction=0.3)), alpha_max=3.0, beta_max=5.0)
+    alphas, betas = tip_adapter_grid(3.0, 5.0)
+    assert any(abs(result["alpha"] - a) < 1e-5 for a in alphas.tolist())
+    assert any(abs(result["beta"] - b) < 1e-5 for b in betas.tolist())
+    assert result["val_samples"] > 0 and 0.0 <= result["val_accuracy"] <= 1.0
+
+
+def test_exported_features_reload_through_the_features_backbone(tmp_path):
+    cfg = build_config(digits_vl())
+    path = export_features(cfg, tmp_path / "digits.pt")
+    direct = build_data(cfg).dataset
+    reloaded_cfg = digits_vl()
+    reloaded_cfg["data"]["vision_language"]["backbone"] = {"name": "features", "options": {"path": str(path)}}
+    reloaded = build_data(build_config(reloaded_cfg)).dataset
+    assert torch.allclose(reloaded.x_test, direct.x_test, atol=1e-6)
+    assert torch.allclose(reloaded.x_train, direct.x_train, atol=1e-6)
+    for key in ("cache_x", "text"):
+        assert torch.allclose(reloaded.meta["assets"][key], direct.meta["assets"][key], atol=1e-6)
