@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel first, pinned: an unpinned torch would pull GBs of CUDA packages
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# the Flower runtime's tests need the [flower] extra; the constraint keeps the pinned torch
+	echo torch==2.13.0 > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev,flower]'
 	touch $(STAMP)
 
 install: $(STAMP)

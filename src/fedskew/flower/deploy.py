@@ -46,26 +46,12 @@ def _bin(name: str) -> str:
 
 
 @dataclass
-class Tls:
-    """TLS files: the CA certificate everyone trusts and the SuperLink's certificate and key."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-
-@dataclass
 class LocalDeployment:
-    """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` configs on it.
-
-    ``tls``: serve over TLS (else ``--insecure``). ``node_keys``: per node index, the private key file a
-    SuperNode authenticates with (SuperNode authentication is then enabled on the SuperLink; only the
-    public keys in ``registered`` are registered with ``flwr supernode register``)."""
+    """SuperLink + SuperNodes on loopback (``--insecure``: nothing leaves the machine); use as a context
+    manager, then :meth:`run` experiments on it. ``node_config``: extra node-config values per node index
+    (e.g. ``data-root``)."""
 
     nodes: int
-    tls: Tls | None = None
-    node_keys: dict[int, Path] = field(default_factory=dict)
-    registered: list[Path] = field(default_factory=list)
     node_config: dict[int, dict[str, str]] = field(default_factory=dict)
     home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fedskew-flower-")))
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -88,12 +74,6 @@ class LocalDeployment:
         self.procs[name] = proc
         return proc
 
-    def security_args(self) -> list[str]:
-        if self.tls is None:
-            return ["--insecure"]
-        return ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert),
-                "--ssl-keyfile", str(self.tls.key)]  # fmt: skip
-
     def start_node(self, index: int) -> subprocess.Popen[bytes]:
         """Start (or restart) SuperNode ``index``."""
         cfg = {
@@ -103,9 +83,7 @@ class LocalDeployment:
         }
         pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())
         args = [_bin("flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
-        args += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca)]
-        if index in self.node_keys:
-            args += ["--auth-supernode-private-key", str(self.node_keys[index])]
+        args.append("--insecure")
         return self.spawn(f"supernode-{index}", [*args, "--node-config", pairs])
 
     def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
@@ -130,13 +108,9 @@ class LocalDeployment:
         self.port = free_port()
         self.write_flower_config()
         args = [_bin("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
-        args += ["--disable-runtime-dependency-installation", *self.security_args()]
-        if self.node_keys:
-            args.append("--enable-supernode-auth")
+        args += ["--disable-runtime-dependency-installation", "--insecure"]
         self.spawn("superlink", args)
         self.wait_port()
-        for key in self.registered:
-            self.flwr(["supernode", "register", str(key), "local"])
         for index in range(self.nodes):
             self.start_node(index)
 
@@ -175,11 +149,7 @@ class LocalDeployment:
 
     # ------------------------------------------------------------------ the flwr CLI
     def write_flower_config(self) -> None:
-        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}"}
-        if self.tls is None:
-            conn["insecure"] = True
-        else:
-            conn["root-certificates"] = str(self.tls.ca)
+        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}", "insecure": True}
         lines = ["[superlink]", 'default = "local"', "", "[superlink.local]"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
