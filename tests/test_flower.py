@@ -78,7 +78,11 @@ def on_flower(
     return records(out)
 
 
-@pytest.mark.parametrize("name", NAMES)
+#: the edit loop checks these two (homogeneous and heterogeneous models); the others are marked slow
+FAST = {"fedavg", "fedproto"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
 def test_every_algorithm_gives_the_embedded_metrics_through_the_flower_apps(name, tmp_path):
     raw = flower_config(name)
     assert_same_metrics(on_flower(raw, tmp_path / "f", LoopbackGrid(3)), embedded(raw, tmp_path / "e"))

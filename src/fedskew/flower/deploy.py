@@ -46,12 +46,41 @@ def _bin(name: str) -> str:
 
 
 @dataclass
+class Tls:
+    """TLS files: the CA certificate everyone trusts, the SuperLink's certificate (for 127.0.0.1) and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def deployment_pids(home: Path) -> list[int]:
+    """Processes whose environment names ``home`` as ``FLWR_HOME``: every process of one deployment,
+    including those Flower starts in a session of their own (the SuperLink's SuperExec and ServerApp)."""
+    marker = f"FLWR_HOME={home}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return [p for p in pids if p != os.getpid()]
+
+
+@dataclass
 class LocalDeployment:
-    """SuperLink + SuperNodes on loopback (``--insecure``: nothing leaves the machine); use as a context
-    manager, then :meth:`run` experiments on it. ``node_config``: extra node-config values per node index
-    (e.g. ``data-root``)."""
+    """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` experiments on it.
+
+    ``node_config``: extra node-config values per node index (e.g. ``data-root``). ``tls``: serve over TLS
+    (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
+    authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
+    in ``registered`` are registered with ``flwr supernode register``."""
 
     nodes: int
+    tls: Tls | None = None
+    node_keys: dict[int, Path] = field(default_factory=dict)
+    registered: list[Path] = field(default_factory=list)
     node_config: dict[int, dict[str, str]] = field(default_factory=dict)
     home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fedskew-flower-")))
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -74,8 +103,11 @@ class LocalDeployment:
         self.procs[name] = proc
         return proc
 
-    def start_node(self, index: int) -> subprocess.Popen[bytes]:
-        """Start (or restart) SuperNode ``index``."""
+    def start_node(
+        self, index: int, name: str | None = None, key: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start (or restart) SuperNode ``index`` (process ``name``, default ``supernode-<index>``),
+        authenticating with ``key`` (default: ``node_keys[index]``, if any)."""
         cfg = {
             "partition-id": str(index),
             "num-partitions": str(self.nodes),
@@ -83,8 +115,11 @@ class LocalDeployment:
         }
         pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())
         args = [_bin("flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
-        args.append("--insecure")
-        return self.spawn(f"supernode-{index}", [*args, "--node-config", pairs])
+        args += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca)]
+        key = key or self.node_keys.get(index)
+        if key is not None:
+            args += ["--auth-supernode-private-key", str(key)]
+        return self.spawn(name or f"supernode-{index}", [*args, "--node-config", pairs])
 
     def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Signal a process's whole group (the process and everything it started)."""
@@ -108,9 +143,18 @@ class LocalDeployment:
         self.port = free_port()
         self.write_flower_config()
         args = [_bin("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
-        args += ["--disable-runtime-dependency-installation", "--insecure"]
+        args.append("--disable-runtime-dependency-installation")
+        if self.tls is None:
+            args.append("--insecure")
+        else:
+            args += ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert)]
+            args += ["--ssl-keyfile", str(self.tls.key)]
+        if self.node_keys:
+            args.append("--enable-supernode-auth")
         self.spawn("superlink", args)
         self.wait_port()
+        for public in self.registered:
+            self.flwr(["supernode", "register", str(public), "local"])
         for index in range(self.nodes):
             self.start_node(index)
 
@@ -128,6 +172,9 @@ class LocalDeployment:
                 self.kill(name, signal.SIGKILL)
                 proc.wait()
             self.kill(name, signal.SIGKILL)  # stragglers left in the group
+        for pid in deployment_pids(self.home):  # processes Flower detached from our groups
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.procs.clear()
         shutil.rmtree(self.home, ignore_errors=True)
 
@@ -149,7 +196,11 @@ class LocalDeployment:
 
     # ------------------------------------------------------------------ the flwr CLI
     def write_flower_config(self) -> None:
-        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}", "insecure": True}
+        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}"}
+        if self.tls is None:
+            conn["insecure"] = True
+        else:
+            conn["root-certificates"] = str(self.tls.ca)
         lines = ["[superlink]", 'default = "local"', "", "[superlink.local]"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
