@@ -46,7 +46,7 @@ def test_simulation_runtime_gives_the_embedded_metrics(tmp_path):
 
 
 def test_deployment_keeps_personal_state_on_the_nodes(tmp_path):
-    names = ["fedproto", "fedper"]  # heterogeneous models; personal heads evaluated on the nodes
+    names = ["fedproto"]  # heterogeneous personal models, kept and evaluated on the nodes
     jobs = [_job(n, tmp_path / f"dep-{n}", "flower-deployment") for n in names]
     with LocalDeployment(3) as dep:
         dep.run(jobs)
