@@ -89,7 +89,13 @@ def run(
 
     cfg = load_config(config, set_)
     out = out or Path("runs") / config.stem
-    summary = run_with_progress(cfg, out, resume, force, cfg.algorithm.name)
+    if cfg.engine.runtime == "embedded":
+        summary = run_with_progress(cfg, out, resume, force, cfg.algorithm.name)
+    else:
+        from fedskew.flower.launch import run_flower
+
+        console.print(f"{cfg.algorithm.name} on {cfg.engine.runtime} with {cfg.engine.nodes} nodes ...")
+        summary = run_flower(cfg, out, resume=resume, force=force)
     f = summary["final"]
     console.print(
         f"final accuracy {100 * f['accuracy']:.2f}% (± {100 * f.get('accuracy_std', 0.0):.2f} over clients) "

@@ -58,6 +58,19 @@ class EngineSection(Strict):
         description="tensor layout of 2-d convolutional models: channels_last (NHWC, faster on CPU), "
         "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
     )
+    runtime: Literal["embedded", "flower-simulation", "flower-deployment"] = Field(
+        "embedded",
+        description="where the federation runs: embedded (this process), flower-simulation (Flower's "
+        "simulation runtime) or flower-deployment (a local Flower SuperLink and engine.nodes SuperNodes on "
+        "loopback; see docs/deployment.md); needs the [flower] extra",
+    )
+    nodes: int = Field(3, ge=1, description="Flower SuperNodes; client c lives on node c % nodes")
+    round_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="Flower runtimes: seconds a round (training or evaluation) waits for the nodes' "
+        "replies; clients of nodes that did not reply are dropped from the round",
+    )
 
     @field_validator("device")
     @classmethod

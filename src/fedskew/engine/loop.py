@@ -120,6 +120,9 @@ class Simulation:
         torch.manual_seed(derive_seed(seed, INIT_KEY))  # same initial model for every algorithm
         self.server: State = self.algorithm.init_server(models.model_for(None))
         self.client_states: dict[int, State] = {}
+        #: a client's state before its first round; a runtime keeping states elsewhere (Flower nodes) keeps
+        #: only references here and replaces this
+        self.initial_client_state: Callable[[int], State] = self.runtime.initial_state
         self.num_clients = len(data.train_idx)
         self.schedule = sampling_schedule(self.num_clients, client.fraction, rounds, seed)
         self.round = 0
@@ -133,7 +136,7 @@ class Simulation:
         """The client's committed state (CPU); a client never trained gets its initial state, which is a
         pure function of the config and is memoised."""
         if cid not in self.client_states:
-            self.client_states[cid] = self.runtime.initial_state(cid)
+            self.client_states[cid] = self.initial_client_state(cid)
         return self.client_states[cid]
 
     def close(self) -> None:
@@ -202,8 +205,11 @@ class Simulation:
             round_bytes_down=round_down,
             round_params_up=sum(u.payload.num_params() for u in uploads),
             round_params_down=sum(o.params_down for o in outcomes),
-            rejected=sum(o.upload is None for o in outcomes),
+            rejected=sum(o.upload is None and not o.dropped for o in outcomes),
         )
+        dropped = [o.cid for o in outcomes if o.dropped]
+        if dropped:  # clients a distributed runtime lost this round (see docs/deployment.md)
+            record["dropped"] = dropped
         record.update(self.algorithm.round_metrics(server))
         return record
 

@@ -26,6 +26,7 @@ class ClientOutcome:
     upload: Upload | None = None  # None: rejected (non-finite loss or upload)
     state: State | None = None  # the client's new state (CPU), committed with the round
     loss: float = float("nan")
+    dropped: bool = False  # the runtime lost the client (its node did not reply in time); never rejected
 
     @classmethod
     def received(cls, cid: int, payload: Payload) -> ClientOutcome:

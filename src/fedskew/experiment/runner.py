@@ -12,12 +12,13 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from torch import nn
 
 import fedskew
 from fedskew.algorithms.base import ALGORITHMS
@@ -102,20 +103,36 @@ def model_options(cfg: Config) -> Callable[[int | None], dict[str, Any]]:
     return options_for
 
 
+def model_builders(
+    cfg: Config, data: FederatedData
+) -> tuple[Callable[[int | None], nn.Module], Callable[[int | None], Hashable]]:
+    """``(build_model, arch_key)`` of a run: client ``cid``'s model (``None``: the global one) and a key
+    equal for clients of the same architecture."""
+    ds = data.dataset
+    factory = MODELS.get(cfg.model.name)
+    options_for = model_options(cfg)
+
+    def build_model(cid: int | None) -> nn.Module:
+        return factory(ds.in_shape, ds.num_classes, **options_for(cid))
+
+    def arch_key(cid: int | None) -> Hashable:
+        return repr(sorted(options_for(cid).items()))
+
+    return build_model, arch_key
+
+
 def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulation:
     """Everything a run needs, from a validated config."""
     resolve_device(cfg.engine.device)
     data = data if data is not None else build_data(cfg)
-    ds = data.dataset
-    factory = MODELS.get(cfg.model.name)
-    options_for = model_options(cfg)
+    build_model, arch_key = model_builders(cfg, data)
     alg_cls = ALGORITHMS.get(cfg.algorithm.name)
     return Simulation(
         data=data,
         algorithm_cls=alg_cls,
         params=alg_cls.Params(**cfg.algorithm.hyper()),
-        build_model=lambda cid: factory(ds.in_shape, ds.num_classes, **options_for(cid)),
-        arch_key=lambda cid: repr(sorted(options_for(cid).items())),
+        build_model=build_model,
+        arch_key=arch_key,
         client=cfg.client,
         evaluation=cfg.eval,
         engine=cfg.engine,
@@ -211,11 +228,22 @@ def run_experiment(
     force: bool = False,
     on_round: RoundCallback | None = None,
     data: FederatedData | None = None,
+    attach: Callable[[Simulation], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg`` to completion (writing the results files when ``out`` is given) and return the summary."""
+    """Run ``cfg`` to completion (writing the results files when ``out`` is given) and return the summary.
+
+    ``attach(sim)`` is called on the new simulation before its first round: a runtime other than the
+    embedded one installs its executor there (``fedskew.flower``)."""
+    if cfg.engine.runtime != "embedded" and attach is None:
+        raise ConfigError(
+            f"engine.runtime={cfg.engine.runtime} runs through fedskew.flower.run_flower (`fedskew run` does "
+            "this); allowed here: embedded"
+        )
     out_dir = Path(out) if out is not None else None
     ckpt = prepare_output(out_dir, cfg, resume, force) if out_dir is not None else None
     sim = build_simulation(cfg, data)
+    if attach is not None:
+        attach(sim)
     elapsed0 = 0.0
     if ckpt is not None:
         sim.load_state_dict(ckpt)

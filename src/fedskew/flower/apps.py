@@ -1,0 +1,88 @@
+"""The generic Flower apps: ``client_app`` and ``server_app`` run every registered algorithm unchanged.
+
+``flwr run`` finds them through the app's ``pyproject.toml`` (``fedskew.flower.apps:client_app`` and
+``fedskew.flower.apps:server_app``, see :mod:`fedskew.flower.launch`). The ``ServerApp`` reads its run
+config: ``config`` (path of a fedskew YAML config, resolved: no ``--set`` here), ``out`` (output folder),
+``resume`` and ``force`` (booleans). The simulation runtime builds its own ``ServerApp`` around an in-memory
+config with :func:`make_server_app`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedskew.errors import FedskewError
+from fedskew.experiment.config import Config, load_config
+from fedskew.flower.node import handle_evaluate, handle_query, handle_train
+
+client_app = ClientApp()
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    return Message(handle_train(msg.content, context), reply_to=msg)
+
+
+@client_app.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    return Message(handle_evaluate(msg.content, context), reply_to=msg)
+
+
+@client_app.query()
+def _query(msg: Message, context: Context) -> Message:
+    return Message(handle_query(context), reply_to=msg)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One experiment a ServerApp runs: the config, the output folder and the resume / force flags."""
+
+    cfg: Config
+    out: str | Path | None = None
+    resume: bool = False
+    force: bool = False
+
+
+def make_server_app(jobs: list[Job], results: list[dict[str, Any]]) -> ServerApp:
+    """A ``ServerApp`` running ``jobs`` in turn; their summaries are appended to ``results``, and an
+    exception raised by one is appended too and ends the app (Flower's runtime would only log it)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        for job in jobs:
+            try:
+                results.append(_serve(grid, job))
+            except BaseException as err:
+                results.append({"error": err})
+                raise
+
+    return app
+
+
+def _serve(grid: Grid, job: Job) -> dict[str, Any]:
+    from fedskew.flower.server import serve
+
+    return serve(grid, job.cfg, job.out, job.resume, job.force)
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _main(grid: Grid, context: Context) -> None:
+    """``flwr run``'s entry: ``config`` and ``out`` may name several experiments, separated by ``;``, run
+    in turn on the same nodes (a sweep shares the start-up)."""
+    rc = context.run_config
+    configs, outs = str(rc["config"]).split(";"), str(rc["out"]).split(";")
+    if len(configs) != len(outs):
+        raise FedskewError(f"run config: {len(configs)} configs but {len(outs)} output folders")
+    resume, force = bool(rc.get("resume", False)), bool(rc.get("force", False))
+    for path, out in zip(configs, outs, strict=True):
+        _serve(grid, Job(load_config(path), out, resume, force))

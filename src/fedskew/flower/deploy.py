@@ -1,0 +1,289 @@
+"""A one-machine Flower deployment: a SuperLink and ``engine.nodes`` SuperNodes on loopback, Flower's own
+processes (``flower-superlink``, ``flower-supernode``, ``flwr run``), torn down when the block ends.
+
+Every process starts in its own process group, so teardown (on success, failure or Ctrl-C) reaps the
+SuperLink's ServerApp and the SuperNodes' ClientApp subprocesses with them. Ports are chosen free at run
+time. ``FLWR_HOME`` is a private temporary folder (Flower's config, installed apps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedskew.errors import FedskewError
+from fedskew.experiment.config import Config, dump_config
+
+if TYPE_CHECKING:
+    from fedskew.flower.apps import Job
+
+#: the Flower app ``flwr run`` submits: a pyproject naming fedskew's generic apps (shipped in the package)
+APP_DIR = Path(__file__).parent / "app"
+START_SECONDS = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    """A Flower command from this interpreter's environment (falls back to PATH)."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else name
+
+
+@dataclass
+class Tls:
+    """TLS files: the CA certificate everyone trusts, the SuperLink's certificate (for 127.0.0.1) and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def deployment_pids(home: Path) -> list[int]:
+    """Processes whose environment names ``home`` as ``FLWR_HOME``: every process of one deployment,
+    including those Flower starts in a session of their own (the SuperLink's SuperExec and ServerApp)."""
+    marker = f"FLWR_HOME={home}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return [p for p in pids if p != os.getpid()]
+
+
+@dataclass
+class LocalDeployment:
+    """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` experiments on it.
+
+    ``node_config``: extra node-config values per node index (e.g. ``data-root``). ``tls``: serve over TLS
+    (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
+    authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
+    in ``registered`` are registered with ``flwr supernode register``."""
+
+    nodes: int
+    tls: Tls | None = None
+    node_keys: dict[int, Path] = field(default_factory=dict)
+    registered: list[Path] = field(default_factory=list)
+    node_config: dict[int, dict[str, str]] = field(default_factory=dict)
+    home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fedskew-flower-")))
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    port: int = 0
+
+    # ------------------------------------------------------------------ processes
+    def env(self) -> dict[str, str]:
+        # SuperExec polls for ServerApp / ClientApp tasks every second by default
+        env = dict(os.environ, FLWR_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 (owned by the process)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_node(
+        self, index: int, name: str | None = None, key: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start (or restart) SuperNode ``index`` (process ``name``, default ``supernode-<index>``),
+        authenticating with ``key`` (default: ``node_keys[index]``, if any)."""
+        cfg = {
+            "partition-id": str(index),
+            "num-partitions": str(self.nodes),
+            **self.node_config.get(index, {}),
+        }
+        pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())
+        args = [_bin("flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
+        args += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca)]
+        key = key or self.node_keys.get(index)
+        if key is not None:
+            args += ["--auth-supernode-private-key", str(key)]
+        return self.spawn(name or f"supernode-{index}", [*args, "--node-config", pairs])
+
+    def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Signal a process's whole group (the process and everything it started)."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.write_flower_config()
+        args = [_bin("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
+        args.append("--disable-runtime-dependency-installation")
+        if self.tls is None:
+            args.append("--insecure")
+        else:
+            args += ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert)]
+            args += ["--ssl-keyfile", str(self.tls.key)]
+        if self.node_keys:
+            args.append("--enable-supernode-auth")
+        self.spawn("superlink", args)
+        self.wait_port()
+        for public in self.registered:
+            self.flwr(["supernode", "register", str(public), "local"])
+        for index in range(self.nodes):
+            self.start_node(index)
+
+    def close(self) -> None:
+        """Stop every process group (TERM, then KILL after 5 s), reap them, delete the temporary folder."""
+        names = list(self.procs)
+        for name in names:
+            self.kill(name)
+        deadline = time.monotonic() + 5
+        for name in names:
+            proc = self.procs[name]
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(name, signal.SIGKILL)
+                proc.wait()
+            self.kill(name, signal.SIGKILL)  # stragglers left in the group
+        for pid in deployment_pids(self.home):  # processes Flower detached from our groups
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.procs.clear()
+        shutil.rmtree(self.home, ignore_errors=True)
+
+    def wait_port(self) -> None:
+        end = time.monotonic() + START_SECONDS
+        while time.monotonic() < end:
+            if self.procs["superlink"].poll() is not None:
+                raise FedskewError(f"flower-superlink exited: {self.tail('superlink')}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise FedskewError("flower-superlink did not start within 60 s")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.home / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    # ------------------------------------------------------------------ the flwr CLI
+    def write_flower_config(self) -> None:
+        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}"}
+        if self.tls is None:
+            conn["insecure"] = True
+        else:
+            conn["root-certificates"] = str(self.tls.ca)
+        lines = ["[superlink]", 'default = "local"', "", "[superlink.local]"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
+        (self.home / "config.toml").write_text("\n".join(lines) + "\n")
+
+    def flwr(self, args: list[str], timeout: float | None = 120) -> str:
+        done = subprocess.run(
+            [_bin("flwr"), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise FedskewError(
+                f"flwr {' '.join(args[:2])} failed: {(done.stdout + done.stderr).strip()[-600:]}"
+            )
+        return done.stdout
+
+    def submit(self, jobs: list[Job]) -> int:
+        """Start ``jobs`` as one Flower run (``flwr run``; they run in turn); returns the run id."""
+        paths, outs = [], []
+        for job in jobs:
+            path = self.home / f"config-{time.monotonic_ns()}.yaml"
+            path.write_text(dump_config(job.cfg))
+            paths.append(str(path))
+            outs.append(str(Path(job.out or self.home / f"out-{time.monotonic_ns()}").resolve()))
+        resume, force = jobs[0].resume, jobs[0].force
+        overrides = f"config={json.dumps(';'.join(paths))} out={json.dumps(';'.join(outs))} "
+        overrides += f"resume={str(resume).lower()} force={str(force).lower()}"
+        text = self.flwr(["run", str(APP_DIR), "local", "--run-config", overrides, "--format", "json"])
+        return int(json.loads(text[text.index("{") :])["run-id"])
+
+    def status(self, run_id: int) -> tuple[str, str]:
+        """``(status, details)`` of a run, asked through Flower's Control API client."""
+        from flwr.cli.flower_config import read_superlink_connection
+        from flwr.cli.utils import init_http_client_from_connection
+        from flwr.common.serde import run_from_proto
+        from flwr.proto.control_pb2 import ListRunsRequest
+
+        saved = os.environ.get("FLWR_HOME")
+        os.environ["FLWR_HOME"] = str(self.home)
+        try:
+            client = init_http_client_from_connection(read_superlink_connection("local"))
+            try:
+                res = client.ListRuns(ListRunsRequest(run_id=run_id))
+            finally:
+                client.close()
+        finally:
+            if saved is None:
+                os.environ.pop("FLWR_HOME", None)
+            else:
+                os.environ["FLWR_HOME"] = saved
+        st = run_from_proto(next(iter(res.run_dict.values()))).status
+        full = f"{st.status}:{st.sub_status}" if st.sub_status else st.status
+        return full, st.details
+
+    def wait(self, run_id: int, timeout: float | None = None, poll: float = 0.5) -> None:
+        """Block until the run finished; raise unless it completed."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status, details = self.status(run_id)
+            if status.startswith("finished"):
+                if status != "finished:completed":
+                    raise FedskewError(f"Flower run {run_id} {status}: {details}")
+                return
+            if self.procs["superlink"].poll() is not None:
+                raise FedskewError(f"flower-superlink exited during run {run_id}")
+            if end is not None and time.monotonic() > end:
+                raise FedskewError(f"Flower run {run_id} did not finish within {timeout} s")
+            time.sleep(poll)
+
+    def run(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        """Run ``jobs`` to the end on this deployment (in turn, one Flower run); their summaries."""
+        self.wait(self.submit(jobs))
+        return [dict(json.loads((Path(str(j.out)) / "summary.json").read_text())) for j in jobs]
+
+
+def run_deployment(cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
+    """``engine.runtime=flower-deployment`` on this machine: deploy, run ``cfg``, tear down."""
+    from fedskew.flower.apps import Job
+
+    with tempfile.TemporaryDirectory(prefix="fedskew-run-") as scratch:
+        target = Path(out) if out is not None else Path(scratch) / "out"
+        with LocalDeployment(cfg.engine.nodes) as dep:
+            return dep.run([Job(cfg, target, resume, force)])[0]

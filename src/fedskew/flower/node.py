@@ -1,0 +1,245 @@
+"""The node side: what a Flower ``ClientApp`` does for the clients its node owns.
+
+A node is told the run's resolved config in every message; from it (and its own data root) it builds the
+same partition as every other process, deterministically from the seed, and keeps only its own clients'
+samples (client ``c`` lives on node ``c % engine.nodes``). It trains with
+:func:`fedskew.engine.client.train_client`, the embedded engine's one client pipeline, and evaluates its
+clients' personal models with the embedded evaluator's :func:`~fedskew.engine.evaluation.score`.
+
+Client state never leaves the node. It is kept in the node's ``Context.state`` as versions: the state a
+client produced in round ``r`` is version ``r`` (version 0: ``init_client``). The server only keeps, per
+client, the number of the version its committed rounds produced (in its checkpoint), and names it in every
+message, so a server that crashes and re-runs a round from its checkpoint trains from the same states, and
+an update whose reply never reached the server is simply never referenced. A version is dropped once a
+newer referenced one is at or below the server's last periodic checkpoint (no resume can name it again).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+from fedskew.algorithms import ALGORITHMS
+from fedskew.algorithms.base import Payload, State, load_state
+from fedskew.engine.client import train_client
+from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
+from fedskew.engine.loop import build_runtime
+from fedskew.engine.modes import memory_format
+from fedskew.engine.runtime import ClientData, ClientRuntime, ModelCache
+from fedskew.engine.types import tree_to
+from fedskew.experiment.config import Config, build_config
+from fedskew.experiment.runner import build_data, model_builders
+from fedskew.flower.records import get_payload, put_payload, state_from_bytes, state_to_bytes
+
+log = logging.getLogger("fedskew.flower")
+
+#: node-config keys: the node's index (Flower's own convention, set by the simulation runtime too), the
+#: number of nodes, and an optional data root overriding the config's ``data.root``
+PARTITION_KEY, NUM_PARTITIONS_KEY, DATA_ROOT_KEY = "partition-id", "num-partitions", "data-root"
+STATE_PREFIX = "fedskew.state."  # Context.state key prefix of a client's versions
+FLOOR_PREFIX = "fedskew.floor."
+
+
+@dataclass
+class Split:
+    """One client's evaluation samples: raw test images (converted per batch) and normalised validation."""
+
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+
+
+@dataclass
+class NodeRuntime:
+    """A node's fixed part of a run: the client runtime restricted to its clients, and their eval data."""
+
+    cfg: Config
+    rt: ClientRuntime
+    owned: list[int]
+    splits: dict[int, Split]
+    to_float: Any
+    eval_batch: int
+
+
+_CACHE: dict[tuple[str, str, int], NodeRuntime] = {}
+
+
+def node_index(context: Context) -> int:
+    return int(context.node_config.get(PARTITION_KEY, 0))
+
+
+def node_runtime(config_text: str, context: Context) -> NodeRuntime:
+    """The node's runtime for the run's config (cached per process: a simulation actor serves many)."""
+    root = str(context.node_config.get(DATA_ROOT_KEY, ""))
+    key = (config_text, root, node_index(context))
+    if key not in _CACHE:
+        _CACHE.clear()
+        raw = yaml.safe_load(config_text)
+        if root:
+            raw["data"]["root"] = root
+        _CACHE[key] = build_node(build_config(raw), node_index(context))
+    return _CACHE[key]
+
+
+def build_node(cfg: Config, index: int) -> NodeRuntime:
+    """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``."""
+    data = build_data(cfg)
+    build_model, arch_key = model_builders(cfg, data)
+    device = torch.device(cfg.engine.device)
+    fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
+    models = ModelCache(build_model, arch_key, device, fmt, cfg.seed)
+    alg_cls = ALGORITHMS.get(cfg.algorithm.name)
+    params = alg_cls.Params(**cfg.algorithm.hyper())
+    full = build_runtime(data, alg_cls, params, models, cfg.client, cfg.rounds, cfg.seed)
+    owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
+    # Only the owned clients' samples stay in memory; the others become empty views.
+    keep = [full.data.index[c] for c in owned]
+    x, y = full.data.x[torch.cat(keep)], full.data.y[torch.cat(keep)]
+    index_of, start = [], 0
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    for c in range(data.num_clients):
+        if c in owned:
+            n = full.data.index[c].numel()
+            index_of.append(torch.arange(start, start + n, device=device))
+            start += n
+        else:
+            index_of.append(empty)
+    rt = ClientRuntime(
+        full.algorithm,
+        ClientData(x, y, index_of, full.data.class_counts),
+        models,
+        cfg.client,
+        cfg.seed,
+        device,
+    )
+    ds = data.dataset
+    val = data.val_idx or [torch.zeros(0, dtype=torch.long) for _ in range(data.num_clients)]
+    splits = {
+        c: Split(
+            ds.x_test[data.test_idx[c]].to(device),
+            ds.y_test[data.test_idx[c]].to(device),
+            full.data.x[val[c].to(device)],
+            full.data.y[val[c].to(device)],
+        )
+        for c in owned
+    }
+    batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
+    return NodeRuntime(cfg, rt, owned, splits, ds.to_float, batch)
+
+
+# ---------------------------------------------------------------------- versioned client states
+def load_version(node: NodeRuntime, context: Context, cid: int, version: int) -> State:
+    """Client ``cid``'s state version ``version``; a version this node does not hold (the node restarted
+    and lost its memory) falls back to the initial state, with a warning."""
+    if version == 0:
+        return node.rt.initial_state(cid)
+    versions = context.state.get(STATE_PREFIX + str(cid))
+    if versions is None or str(version) not in versions:
+        log.warning("client %d: state of round %d lost (node restarted); re-initialised", cid, version)
+        return node.rt.initial_state(cid)
+    return state_from_bytes(versions[str(version)])
+
+
+def store_version(context: Context, cid: int, version: int, state: State) -> None:
+    key = STATE_PREFIX + str(cid)
+    versions = context.state.get(key) or ConfigRecord()
+    versions[str(version)] = state_to_bytes(state)
+    context.state[key] = versions
+
+
+def prune(context: Context, cid: int, referenced: int, keep_from: int) -> None:
+    """Drop versions older than the newest referenced version at or below ``keep_from`` (the server's last
+    periodic checkpoint): no resume can name them again."""
+    floor_key = FLOOR_PREFIX + str(cid)
+    floor = int(context.state[floor_key]["v"]) if floor_key in context.state else 0
+    if referenced <= keep_from:
+        floor = max(floor, referenced)
+    context.state[floor_key] = ConfigRecord({"v": floor})
+    versions = context.state.get(STATE_PREFIX + str(cid))
+    if versions is not None:
+        for v in [v for v in versions if int(v) < floor]:
+            del versions[v]
+
+
+# ---------------------------------------------------------------------- handlers
+def _owned(node: NodeRuntime, cids: list[int]) -> None:
+    stray = sorted(set(cids) - set(node.owned))
+    if stray:
+        raise ValueError(f"clients {stray} do not live on this node (it owns {node.owned})")
+
+
+def handle_train(content: RecordDict, context: Context) -> RecordDict:
+    """Train the message's clients from their payloads and referenced states; reply with the uploads."""
+    job = content["job"]
+    node = node_runtime(str(job["config"]), context)
+    r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
+    _owned(node, cids)
+    reply = RecordDict()
+    accepted, losses, samples = [], [], []
+    for cid, ref in zip(cids, refs, strict=True):
+        prune(context, cid, ref, int(job["keep_from"]))
+        payload = get_payload(content, f"p.{cid}", node.rt.device)
+        outcome = train_client(node.rt, cid, r, payload, load_version(node, context, cid, ref))
+        if outcome.upload is None or outcome.state is None:
+            continue
+        store_version(context, cid, r, outcome.state)
+        put_payload(reply, f"u.{cid}", outcome.upload.payload)
+        accepted.append(cid)
+        losses.append(float(outcome.loss))
+        samples.append(int(outcome.upload.num_samples))
+    reply["job"] = ConfigRecord({"accepted": accepted, "loss": losses, "samples": samples})
+    return reply
+
+
+@torch.no_grad()
+def _stats(node: NodeRuntime, cid: int, payload: Payload, state: State, x: Any, y: Any, conv: Any) -> Any:
+    """``[correct per head..., loss sum]`` (float64) of ``cid``'s model on ``(x, y)``, and the heads."""
+    alg = node.rt.algorithm
+    model = node.rt.models.model_for(cid)
+    dev_state = tree_to(state, node.rt.device)
+    load_state(model, alg.eval_weights(payload, dev_state))
+    if y.numel() == 0:
+        return None, []
+    s = score(alg, model, payload, dev_state, x, y, node.eval_batch, conv)
+    heads = list(s.correct)
+    row = [float(s.correct[h].double().sum()) for h in heads] + [float(s.loss.double().sum())]
+    return torch.tensor(row, dtype=torch.float64), heads
+
+
+def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
+    """Score the message's clients' personal models on their test (and validation) splits; reply with the
+    per-client counts of correct predictions per head and loss sums."""
+    job = content["job"]
+    node = node_runtime(str(job["config"]), context)
+    cids, refs = [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
+    _owned(node, cids)
+    arrays: dict[str, torch.Tensor] = {}
+    heads: list[str] = []
+    for cid, ref in zip(cids, refs, strict=True):
+        payload = get_payload(content, f"p.{cid}", node.rt.device)
+        state = load_version(node, context, cid, ref)
+        sp = node.splits[cid]
+        for split, x, y, conv in (
+            ("test", sp.x_test, sp.y_test, node.to_float),
+            ("val", sp.x_val, sp.y_val, _identity),
+        ):
+            row, hs = _stats(node, cid, payload, state, x, y, conv)
+            if row is not None:
+                arrays[f"{split}.{cid}"] = row
+                heads = heads or hs
+    return RecordDict({"scores": ArrayRecord(arrays), "job": ConfigRecord({"heads": heads})})
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def handle_query(context: Context) -> RecordDict:
+    """The node's index, so the server can map clients to Flower node ids (they change on restart)."""
+    return RecordDict({"node": ConfigRecord({"index": node_index(context)})})

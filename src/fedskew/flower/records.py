@@ -1,0 +1,44 @@
+"""Payloads and client states on Flower's records.
+
+A :class:`~fedskew.algorithms.base.Payload` maps one-to-one onto an ``ArrayRecord`` (arrays), a
+``ConfigRecord`` (config) and a ``MetricRecord`` (metrics); arrays travel as NumPy ``.npy`` bytes that Flower
+loads with ``allow_pickle=False``. Client states never leave their node: they are kept in the node's
+``Context.state`` as ``torch.save`` bytes and read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedskew.algorithms.base import Payload, State
+
+
+def put_payload(rd: RecordDict, key: str, payload: Payload) -> None:
+    """Store ``payload`` in ``rd`` under ``key.a`` (arrays), ``key.c`` (config) and ``key.m`` (metrics)."""
+    rd[f"{key}.a"] = ArrayRecord({k: v.detach().cpu() for k, v in payload.arrays.items()})
+    rd[f"{key}.c"] = ConfigRecord({k: float(v) for k, v in payload.config.items()})
+    rd[f"{key}.m"] = MetricRecord({k: float(v) for k, v in payload.metrics.items()})
+
+
+def get_payload(rd: RecordDict, key: str, device: torch.device | str = "cpu") -> Payload:
+    """The payload :func:`put_payload` stored under ``key``, arrays on ``device``."""
+    arrays = {k: v.to(device) for k, v in rd[f"{key}.a"].to_torch_state_dict().items()}
+    config = {k: float(v) for k, v in rd[f"{key}.c"].items()}
+    metrics = {k: float(v) for k, v in rd[f"{key}.m"].items()}
+    return Payload(arrays=arrays, config=config, metrics=metrics)
+
+
+def state_to_bytes(state: State) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def state_from_bytes(blob: bytes) -> State:
+    """A state written by :func:`state_to_bytes` (tensors and plain values only: ``weights_only=True``)."""
+    out: Any = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    return out

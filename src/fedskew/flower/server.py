@@ -1,0 +1,279 @@
+"""The server side: the embedded round transaction with its clients trained on Flower nodes.
+
+:func:`serve` is the body of the ``ServerApp``: it runs :func:`fedskew.experiment.runner.run_experiment`
+(checkpoints, ``metrics.jsonl``, ``summary.json``, ``--resume``) and attaches a :class:`FlowerExecutor`,
+which sends each round one ``train`` message per node holding sampled clients (their broadcast payloads,
+the round, and references to their states on that node) through Flower's ``Grid`` and turns the replies
+into the :class:`~fedskew.engine.types.ClientOutcome` list the round loop expects. Personalized evaluation
+asks the nodes to score their clients' personal models (:class:`FlowerEvaluator`).
+
+Faults: a node that does not reply within ``engine.round_timeout`` seconds loses its clients for that round
+(``dropped`` in the metrics record; the round goes on with the others); an error reply or a non-finite
+upload rejects the clients like the embedded engine does. A restarted node gets a new Flower node id and is
+found again by its ``partition-id`` on the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedskew.algorithms.base import RoundInfo, State, Upload
+from fedskew.engine.evaluation import Evaluator, summarize
+from fedskew.engine.loop import Simulation
+from fedskew.engine.types import ClientOutcome, RoundJob
+from fedskew.errors import FedskewError
+from fedskew.experiment.config import Config, dump_config
+from fedskew.experiment.runner import run_experiment
+from fedskew.flower.records import get_payload, put_payload
+
+log = logging.getLogger("fedskew.flower")
+
+REF_KEY = "flower.version"  # the only entry of a client state the server keeps: the node's version number
+POLL_SECONDS = 0.02
+
+
+def ref_of(state: State) -> int:
+    return int(state.get(REF_KEY, 0))
+
+
+def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[int, Message]:
+    """Push ``messages`` (by node id), pull replies until all arrived or ``timeout`` seconds passed."""
+    if not messages:
+        return {}
+    nodes = list(messages)
+    ids = list(grid.push_messages([messages[n] for n in nodes]))
+    pending = dict(zip(ids, nodes, strict=True))
+    replies: dict[int, Message] = {}
+    end = time.monotonic() + timeout
+    while pending and time.monotonic() < end:
+        for reply in grid.pull_messages(list(pending)):
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is not None:
+                replies[node] = reply
+        if pending:
+            time.sleep(POLL_SECONDS)
+    return replies
+
+
+@dataclass
+class NodeMap:
+    """Which Flower node id serves which node index (``partition-id``); refreshed every round."""
+
+    grid: Grid
+    nodes: int
+    timeout: float
+    index: dict[int, int] = field(default_factory=dict)  # node index -> Flower node id
+    known: set[int] = field(default_factory=set)
+
+    def refresh(self) -> None:
+        """Ask every node id not seen before for its index (a restarted node has a new id)."""
+        new = [n for n in self.grid.get_node_ids() if n not in self.known]
+        if not new:
+            return
+        query = {
+            n: Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY, ttl=self.timeout)
+            for n in new
+        }
+        for node_id, reply in exchange(self.grid, query, self.timeout).items():
+            if reply.has_content() and "node" in reply.content:
+                self.index[int(reply.content["node"]["index"])] = node_id
+                self.known.add(node_id)
+
+    def wait_all(self) -> None:
+        """Wait (up to the timeout) until every node index has a node."""
+        end = time.monotonic() + self.timeout
+        while len(self.index) < self.nodes:
+            self.refresh()
+            if time.monotonic() > end:
+                missing = sorted(set(range(self.nodes)) - set(self.index))
+                raise FedskewError(f"Flower nodes {missing} did not connect within {self.timeout:.0f} s")
+            time.sleep(0.1 if len(self.index) < self.nodes else 0)
+
+    def node_of(self, cid: int) -> int | None:
+        return self.index.get(cid % self.nodes)
+
+
+_MAPS: dict[int, NodeMap] = {}
+
+
+def node_map(grid: Grid, nodes: int, timeout: float) -> NodeMap:
+    """The grid's node map, shared by the experiments a ServerApp runs in turn (nodes answer once)."""
+    cached = _MAPS.get(id(grid))
+    if cached is None or cached.grid is not grid or cached.nodes != nodes:
+        _MAPS.clear()
+        _MAPS[id(grid)] = cached = NodeMap(grid, nodes, timeout)
+    cached.timeout = timeout
+    return cached
+
+
+class FlowerExecutor:
+    """Trains a round's clients on the Flower nodes that own them (an engine executor)."""
+
+    name = "flower"
+
+    def __init__(self, sim: Simulation, grid: Grid, cfg: Config) -> None:
+        self.sim, self.cfg = sim, cfg
+        self.config_text = dump_config(cfg)
+        self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
+        self.map.wait_all()
+
+    def keep_from(self, r: int) -> int:
+        """The server's last periodic checkpoint before round ``r`` (what a resume can restart from)."""
+        every = self.cfg.checkpoint.every
+        return ((r - 1) // every) * every if every else 0
+
+    def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[int, Any]) -> Message:
+        content = RecordDict({"job": ConfigRecord({**job, "config": self.config_text})})
+        for cid, payload in payloads.items():
+            put_payload(content, f"p.{cid}", payload)
+        return Message(content, dst_node_id=node, message_type=kind, ttl=self.cfg.engine.round_timeout)
+
+    def by_node(self, cids: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """The sampled clients grouped by the node id serving them, and those whose node is missing."""
+        self.map.refresh()
+        groups: dict[int, list[int]] = {}
+        missing = []
+        for cid in cids:
+            node = self.map.node_of(cid)
+            if node is None:
+                missing.append(cid)
+            else:
+                groups.setdefault(node, []).append(cid)
+        return groups, missing
+
+    def train(self, job: RoundJob) -> list[ClientOutcome]:
+        alg, seed = self.sim.algorithm, self.sim.seed
+        payloads = {cid: alg.broadcast(job.server, RoundInfo(job.round, cid, seed)) for cid in job.cids}
+        groups, missing = self.by_node(job.cids)
+        messages = {
+            node: self.message(
+                node,
+                MessageType.TRAIN,
+                {
+                    "round": job.round,
+                    "cids": cids,
+                    "refs": [ref_of(job.states[c]) for c in cids],
+                    "keep_from": self.keep_from(job.round),
+                },
+                {c: payloads[c] for c in cids},
+            )
+            for node, cids in groups.items()
+        }
+        replies = exchange(self.map.grid, messages, self.cfg.engine.round_timeout)
+        outcomes: dict[int, ClientOutcome] = {}
+        for node, cids in groups.items():
+            outcomes.update(self.outcomes(job.round, cids, payloads, replies.get(node)))
+        for cid in missing:
+            outcomes[cid] = ClientOutcome(cid=cid, bytes_down=0, dropped=True)
+        return [outcomes[c] for c in job.cids]
+
+    def outcomes(
+        self, r: int, cids: list[int], payloads: dict[int, Any], reply: Message | None
+    ) -> dict[int, ClientOutcome]:
+        """The outcomes of one node's clients: dropped (no reply), rejected (error reply, client not
+        accepted on the node, or a non-finite upload) or accepted."""
+        if reply is None:
+            log.warning("round %d: no reply for clients %s within %.0f s: dropped", r, cids, self.map.timeout)
+            return {c: ClientOutcome(cid=c, bytes_down=payloads[c].nbytes(), dropped=True) for c in cids}
+        out = {c: ClientOutcome.received(c, payloads[c]) for c in cids}
+        if reply.has_error():
+            log.warning("round %d: clients %s rejected: node error %s", r, cids, reply.error.reason)
+            return out
+        info = reply.content["job"]
+        for cid, loss, n in zip(info["accepted"], info["loss"], info["samples"], strict=True):
+            payload = get_payload(reply.content, f"u.{cid}", self.sim.runtime.device)
+            if not payload.is_finite():
+                log.warning("round %d: rejected update of client %d: non-finite values", r, cid)
+                continue
+            o = out[int(cid)]
+            o.upload = Upload(cid=int(cid), num_samples=int(n), payload=payload)
+            o.state, o.loss = {REF_KEY: r}, float(loss)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class FlowerEvaluator:
+    """The embedded evaluator, with personal models scored on the nodes that hold the clients' states."""
+
+    def __init__(
+        self, local: Evaluator, executor: FlowerExecutor, test_sizes: list[int], val_sizes: list[int]
+    ):
+        self.local, self.ex = local, executor
+        self.test_sizes, self.val_sizes = test_sizes, val_sizes
+
+    def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
+        if self.local.protocol != "personalized" or not self.local.algorithm.personalized_eval:
+            return self.local.evaluate(server, state_of, round_idx)  # one global model: the server scores it
+        alg, seed, ex = self.local.algorithm, self.local.seed, self.ex
+        cids = list(range(len(self.test_sizes)))
+        groups, _ = ex.by_node(cids)
+        messages = {
+            node: ex.message(
+                node,
+                MessageType.EVALUATE,
+                {"round": round_idx, "cids": cs, "refs": [ref_of(state_of(c)) for c in cs]},
+                {c: alg.broadcast(server, RoundInfo(round_idx, c, seed)) for c in cs},
+            )
+            for node, cs in groups.items()
+        }
+        replies = exchange(ex.map.grid, messages, ex.cfg.engine.round_timeout)
+        rows: dict[str, torch.Tensor] = {}
+        heads: list[str] = []
+        for node, cs in groups.items():
+            reply = replies.get(node)
+            if reply is None or reply.has_error():
+                raise FedskewError(f"round {round_idx}: node of clients {cs} did not return its evaluation")
+            rows.update(reply.content["scores"].to_torch_state_dict())
+            heads = heads or list(reply.content["job"]["heads"])
+        out = self.combine(rows, "test", self.test_sizes, heads)
+        if sum(self.val_sizes):
+            val = self.combine(rows, "val", self.val_sizes, heads)
+            out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
+        return out
+
+    @staticmethod
+    def combine(
+        rows: dict[str, torch.Tensor], split: str, sizes: list[int], heads: list[str]
+    ) -> dict[str, Any]:
+        """Per-client accuracies and mean per-client loss, as the embedded evaluator's ``summarize``."""
+        zero = torch.zeros(len(heads) + 1, dtype=torch.float64)
+        table = torch.stack([rows.get(f"{split}.{c}", zero) for c in range(len(sizes))])
+        n = torch.tensor(sizes, dtype=torch.float64).clamp_min(1)
+        per_client = {h: table[:, i] / n for i, h in enumerate(heads)}
+        loss = float((table[:, -1] / n).mean())
+        return summarize(per_client, loss, heads, torch.tensor(sizes))
+
+
+def attach_flower(
+    sim: Simulation, grid: Grid, cfg: Config, test_sizes: list[int], val_sizes: list[int]
+) -> None:
+    """Swap ``sim``'s executor and evaluator for the Flower ones; client states become node references."""
+    executor = FlowerExecutor(sim, grid, cfg)
+    sim.executor = executor
+    sim.evaluator = FlowerEvaluator(sim.evaluator, executor, test_sizes, val_sizes)  # type: ignore[assignment]
+    sim.initial_client_state = lambda cid: {REF_KEY: 0}
+
+
+def serve(grid: Grid, cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
+    """The ServerApp's body: the whole experiment, with the results files in ``out``."""
+    from fedskew.experiment.runner import build_data
+
+    data = build_data(cfg)
+    test_sizes = [int(t.numel()) for t in data.test_idx]
+    val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
+
+    def attach(sim: Simulation) -> None:
+        attach_flower(sim, grid, cfg, test_sizes, val_sizes)
+
+    return run_experiment(cfg, out, resume=resume, force=force, data=data, attach=attach)
