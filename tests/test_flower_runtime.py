@@ -45,17 +45,6 @@ def test_simulation_runtime_gives_the_embedded_metrics(tmp_path):
         )
 
 
-def test_deployment_keeps_personal_state_on_the_nodes(tmp_path):
-    names = ["fedproto"]  # heterogeneous personal models, kept and evaluated on the nodes
-    jobs = [_job(n, tmp_path / f"dep-{n}", "flower-deployment") for n in names]
-    with LocalDeployment(3) as dep:
-        dep.run(jobs)
-    for name, job in zip(names, jobs, strict=True):
-        assert_same_metrics(
-            records(Path(str(job.out))), embedded(flower_config(name), tmp_path / f"emb-{name}")
-        )
-
-
 def _fedskew_run(args: list[str], out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [
@@ -141,10 +130,12 @@ def write_node_key(folder: Path, name: str) -> Path:
 
 
 def test_tls_and_supernode_authentication_refuse_an_unregistered_node(tmp_path):
+    """Also the deployment check of personal state: FedProto's heterogeneous local models live, train and
+    are evaluated on the nodes (one deployment serves both checks: each costs many process start-ups)."""
     tls = write_tls(tmp_path)
     keys = {i: write_node_key(tmp_path, f"node{i}") for i in range(4)}
     registered = [keys[i].with_name(f"node{i}.pub") for i in range(3)]  # node key 3 is not registered
-    job = _job("fedavg", tmp_path / "out", "flower-deployment", rounds=1)
+    job = _job("fedproto", tmp_path / "out", "flower-deployment", rounds=1)
     node_keys = {i: keys[i] for i in range(3)}
     with LocalDeployment(3, tls=tls, node_keys=node_keys, registered=registered) as dep:
         intruder = dep.start_node(0, name="intruder", key=keys[3])  # claims node 0's clients
@@ -153,5 +144,5 @@ def test_tls_and_supernode_authentication_refuse_an_unregistered_node(tmp_path):
         assert intruder.poll() in (None, 305)  # retrying, or given up (Flower's exit code 305)
         assert "SuperNode ID" not in refused and "Connection attempt failed" in refused
         assert all("SuperNode ID" in dep.tail(f"supernode-{i}", 400) for i in range(3))
-    reference = embedded(flower_config("fedavg", rounds=1), tmp_path / "emb")
+    reference = embedded(flower_config("fedproto", rounds=1), tmp_path / "emb")
     assert_same_metrics(records(tmp_path / "out"), reference)
