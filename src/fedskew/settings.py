@@ -59,6 +59,13 @@ class EngineSection(Strict):
         "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
     )
 
+    on_client_error: Literal["drop", "fail"] = Field(
+        "drop",
+        description="a client that raises or uploads NaN/Inf: drop it from the round (logged, counted in "
+        "'rejected'; a round with every client dropped is recorded as skipped), or fail the round (nothing "
+        "of it is committed; the run stops with one line and resumes from the last committed round)",
+    )
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:

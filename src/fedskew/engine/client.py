@@ -35,6 +35,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, tree_to
+from fedskew.errors import RunFailure
 from fedskew.seeding import derive_seed, seed_torch
 from fedskew.settings import ClientSection
 
@@ -43,6 +44,10 @@ log = logging.getLogger("fedskew.engine")
 
 class NonFiniteLoss(RuntimeError):
     """Local training produced a NaN/Inf loss: the client's update is rejected."""
+
+
+class ClientError(RunFailure):
+    """A client failed under ``engine.on_client_error=fail``: the round is not committed."""
 
 
 def epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
@@ -108,15 +113,26 @@ def finish_client(
 def train_client(
     rt: ClientRuntime, cid: int, round_idx: int, payload: Payload, state: State
 ) -> ClientOutcome:
-    """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``."""
-    model = rt.models.model_for(cid)
-    client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
+    """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``. A
+    client that raises is dropped (a rejected outcome, logged) or, under ``on_client_error=fail``, fails the
+    round with a :class:`ClientError` naming it."""
     try:
-        result = run_phases(model, rt.algorithm, client, rt.client)
-    except NonFiniteLoss as err:
-        log.warning("round %d: rejected update: %s", round_idx, err)
+        model = rt.models.model_for(cid)
+        client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
+        try:
+            result = run_phases(model, rt.algorithm, client, rt.client)
+        except NonFiniteLoss as err:
+            log.warning("round %d: rejected update: %s", round_idx, err)
+            return ClientOutcome.received(cid, payload)
+        return finish_client(rt, model, client, result)
+    except Exception as err:
+        what = f"round {round_idx}: client {cid} raised {type(err).__name__}: {err}".splitlines()[0]
+        if rt.on_client_error == "fail":
+            raise ClientError(
+                f"{what}; the round was not committed (engine.on_client_error=fail; allowed: drop, fail)"
+            ) from err
+        log.warning("%s; the client is dropped from the round", what)
         return ClientOutcome.received(cid, payload)
-    return finish_client(rt, model, client, result)
 
 
 def run_phases(

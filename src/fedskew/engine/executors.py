@@ -62,6 +62,9 @@ def train_grouped_vectorized(
         except NotVectorizable as err:
             log.warning("round %d: %s; these clients train sequentially", job.round, err)
             outs = train_sequential(rt, job, members)
+        except Exception as err:  # a client raised: one by one, its failure is its own (on_client_error)
+            log.warning("round %d: vectorized group failed (%s); training it sequentially", job.round, err)
+            outs = train_sequential(rt, job, members)
         done.update((o.cid, o) for o in outs)
     return [done[c] for c in cids]
 
