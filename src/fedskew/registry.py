@@ -129,7 +129,7 @@ def check_option_types(fn: Callable[..., object], options: Mapping[str, object],
         try:
             out = adapter.validate_python(value)
         except ValidationError as err:
-            msg = err.errors()[0]["msg"].replace("Input should be", "expected")
+            msg = err.errors()[0]["msg"]
             raise ConfigError(f"{where}: {msg} (got {value!r})") from None
         if isinstance(value, str) and not isinstance(out, str):
             raise ConfigError(f"{where}: expected {type(out).__name__}, not a string (got {value!r})")
