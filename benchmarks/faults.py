@@ -584,28 +584,59 @@ def run_campaign(trials: int, quick: bool, seed: int = 0, log: Callable[[str], N
             c.reference(mode)
         log(f"references: {', '.join(f'{m} {t:.1f} s' for m, t in c.durations.items())}")
         ip = InProcess(c)
-        kill_plan: list[Callable[[], None]] = []
-        for mode in MODES:
-            kill_plan += [lambda m=mode: c.kill_random(m)] * trials
-            kill_plan += [lambda m=mode: c.kill_in_write(m, "checkpoint")] * max(1, trials // 3)
-            kill_plan += [lambda m=mode: c.kill_in_write(m, "metrics")] * max(1, trials // 3)
-        kill_plan += [c.kill_worker] * max(2, trials // 2)
-        kill_plan += [lambda m=mode: c.two_processes(m) for mode in MODES]
-        other = max(2, trials // 4) if not quick else 1
-        local: list[Callable[[], None]] = []
-        for mode in MODES:
-            local += [lambda m=mode: ip.corrupted_checkpoint(m)] * other
-            local += [lambda m=mode: ip.disk_full(m)] * other * 2
-            local += [lambda m=mode: ip.all_rejected(m)]
-            for kind in ("raise", "nan", "inf", "explode"):
-                for policy in ("drop", "fail"):
-                    local += [lambda m=mode, k=kind, p=policy: ip.client_fault(m, k, p)] * (1 if quick else 2)
-        local.append(ip.corrupted_dataset)
+        kill_plan, local = (_quick_plan if quick else _full_plan)(c, ip, trials)
         for i, trial in enumerate(kill_plan + local, 1):
             trial()
             if i % 10 == 0:
                 log(f"{i}/{len(kill_plan) + len(local)} trials")
         return list(c.rows.values())
+
+
+Plan = tuple[list[Callable[[], None]], list[Callable[[], None]]]
+KINDS = ("raise", "nan", "inf", "explode")
+
+
+def _full_plan(c: Campaign, ip: InProcess, trials: int) -> Plan:
+    """``trials`` random kills per mode, a third as many inside checkpoint and metrics writes, worker kills;
+    every in-process class in every mode."""
+    kills: list[Callable[[], None]] = []
+    for mode in MODES:
+        kills += [lambda m=mode: c.kill_random(m)] * trials
+        kills += [lambda m=mode: c.kill_in_write(m, "checkpoint")] * max(1, trials // 3)
+        kills += [lambda m=mode: c.kill_in_write(m, "metrics")] * max(1, trials // 3)
+        kills.append(lambda m=mode: c.two_processes(m))
+    kills += [c.kill_worker] * max(2, trials // 2)
+    local: list[Callable[[], None]] = []
+    other = max(2, trials // 4)
+    for mode in MODES:
+        local += [lambda m=mode: ip.corrupted_checkpoint(m)] * other
+        local += [lambda m=mode: ip.disk_full(m)] * other * 2
+        local += [lambda m=mode: ip.all_rejected(m)]
+        for kind in KINDS:
+            for policy in ("drop", "fail"):
+                local += [lambda m=mode, k=kind, p=policy: ip.client_fault(m, k, p)] * 2
+    local.append(ip.corrupted_dataset)
+    return kills, local
+
+
+def _quick_plan(c: Campaign, ip: InProcess, trials: int) -> Plan:
+    """Every class ``trials`` times, the modes taken in turn (the CI test)."""
+    modes = list(MODES) * (8 * trials)
+    kills: list[Callable[[], None]] = []
+    local: list[Callable[[], None]] = []
+    for i in range(trials):
+        kills += [lambda m=m: c.kill_random(m) for m in MODES]
+        kills += [
+            lambda m=modes[i]: c.kill_in_write(m, "checkpoint"),
+            lambda m=modes[i + 1]: c.kill_in_write(m, "metrics"),
+        ]
+        kills += [c.kill_worker, lambda m=modes[i + 2]: c.two_processes(m)]
+        local += [lambda m=modes[i]: ip.corrupted_checkpoint(m), lambda m=modes[i + 1]: ip.disk_full(m)]
+        local += [lambda m=modes[i + 2]: ip.all_rejected(m)]
+        for j, (kind, policy) in enumerate((k, p) for k in KINDS for p in ("drop", "fail")):
+            local.append(lambda m=modes[i + j], k=kind, p=policy: ip.client_fault(m, k, p))
+    local.append(ip.corrupted_dataset)
+    return kills, local
 
 
 def table(rows: list[Row]) -> str:

@@ -9,7 +9,8 @@ device, per-client model options), so an example costs milliseconds. A rejection
 exit code 2, naming the key (or the file) and the allowed values; anything else (a traceback, another exit
 code, a vague line) is a failure.
 
-    python benchmarks/fuzz_config.py --examples 1000
+    python benchmarks/fuzz_config.py              # 1,000 examples (benchmarks/faults.py runs it too)
+    python benchmarks/fuzz_config.py --quick      # 100
 """
 
 from __future__ import annotations
@@ -235,9 +236,10 @@ def fuzz_campaign(examples: int) -> FuzzResult:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--examples", type=int, default=1000)
+    ap.add_argument("--examples", type=int, default=None, help="fuzzed configs (default 1000, --quick 100)")
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    res = fuzz_campaign(args.examples)
+    res = fuzz_campaign(args.examples or (100 if args.quick else 1000))
     print(res.table())
     for o in res.unclear[:50]:
         print(f"UNCLEAR [{o.what}] exit {o.code}: {o.err.strip()[-400:]}")

@@ -5,7 +5,6 @@ every rejection one line with exit code 2."""
 from __future__ import annotations
 
 import pytest
-
 from benchmarks.faults import run_campaign, table
 from benchmarks.fuzz_config import fuzz_campaign
 
