@@ -158,6 +158,9 @@ class Forked:
                 err = os.open(errfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(err, 2)
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                # the parent's sys.stderr may be a capture (pytest): the child writes to the real fd 2
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
                 code = _cli_exit_code(argv)
             finally:
                 with contextlib.suppress(Exception):
@@ -454,7 +457,8 @@ class InProcess:
         path.unlink()
         code2, err2 = self.run(mode, out, "--resume", on_client_error="fail")
         lost, altered = losses(Results.read(out), self.c.reference(mode))
-        ok = code == 2 and one_line(err) and named and code2 == 0
+        # a flipped bit in zip padding leaves the content whole: it loads and resumes (results compared)
+        ok = (code == 0 or (code == 2 and one_line(err) and named)) and code2 == 0
         row.add(ok, "Traceback" in err + err2, lost, altered, f"{code} {err.strip()} / {code2} {err2[-300:]}")
 
     def disk_full(self, mode: str) -> None:
@@ -471,7 +475,8 @@ class InProcess:
         def full_disk(fh: Any, data: bytes) -> None:
             calls[0] += 1
             if calls[0] == fail_at:
-                snapshot.update({p.name: p.read_bytes() for p in out.iterdir() if p.is_file()})
+                done = [p for p in out.iterdir() if p.is_file() and p.suffix != ".tmp"]  # not the one written
+                snapshot.update({p.name: p.read_bytes() for p in done})
                 fh.write(data[: self.c.rng.randrange(len(data) + 1)])
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             real(fh, data)
