@@ -127,15 +127,18 @@ def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulati
     )
 
 
-def write_bytes(fh: io.BufferedWriter, data: bytes) -> None:
-    """The one place the bytes of every results file are written (fault injection replaces it)."""
+def write_bytes(fh: io.RawIOBase | io.BufferedIOBase, data: bytes) -> None:
+    """The one place the bytes of every results file are written (fault injection replaces it); an
+    unbuffered file may take fewer bytes a call, so the rest is written until none is left."""
+    view = memoryview(data)
     delay = float(os.environ.get("FEDSKEW_FAULT_WRITE_DELAY") or 0)
     if delay > 0:  # fault-injection campaign only: stretch the write so that a kill can land inside it
-        fh.write(data[: len(data) // 2])
+        write_bytes(fh, view[: len(view) // 2].tobytes())
         fh.flush()
         time.sleep(delay)
-        data = data[len(data) // 2 :]
-    fh.write(data)
+        view = view[len(view) // 2 :]
+    while view:
+        view = view[fh.write(view) or 0 :]
 
 
 def _write_failed(path: Path, err: OSError) -> RunFailure:
@@ -180,11 +183,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append one line to ``path``; a failed write is undone (no partial line) and raises RunFailure."""
-    with open(path, "ab") as fh:
+    with open(path, "ab", buffering=0) as fh:  # unbuffered: nothing left to flush after a failure
         start = fh.tell()
         try:
             write_bytes(fh, line.encode())
-            fh.flush()
         except OSError as err:
             with contextlib.suppress(OSError):
                 fh.truncate(start)
