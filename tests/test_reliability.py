@@ -98,6 +98,26 @@ def test_a_round_with_every_client_rejected_is_recorded_as_skipped(tmp_path):
     assert summary["skipped_rounds"] == [2]
 
 
+def test_the_default_drops_non_finite_updates_and_fails_on_an_exception():
+    cfg = build_config(_cfg())
+    assert cfg.engine.on_client_error == "drop_non_finite"
+    with faulty_fedavg("inf", {1}, round_=1):
+        assert build_simulation(cfg).run_round().rejected == [1]
+    with faulty_fedavg("raise", {1}, round_=1), pytest.raises(RunFailure, match="client 1 raised"):
+        build_simulation(cfg).run_round()
+
+
+def test_a_contract_error_is_never_dropped():
+    from fedskew.algorithms.base import ContractError
+
+    class Broken(Faulty):
+        def finish_local(self, model, payload, state, client, scratch, result, info):
+            raise ContractError("finish_local broke the contract")
+
+    with ALGORITHMS.replaced("fedavg", Broken), pytest.raises(ContractError, match="broke the contract"):
+        build_simulation(build_config(_cfg(on_client_error="drop"))).run_round()
+
+
 def test_on_client_error_rejects_other_values():
     with pytest.raises(ConfigError, match=r"engine.on_client_error.*'drop' or 'fail'"):
         build_config(_cfg(on_client_error="ignore"))

@@ -22,7 +22,7 @@ class DataError(FedskewError):
 
 
 class RunFailure(RuntimeError):
-    """A run stopped by a fault outside the config (a client raised under ``engine.on_client_error=fail``, a
+    """A run stopped by a fault outside the config (a client failed under ``engine.on_client_error``, a
     worker process died twice, the disk is full): one line; the committed rounds are kept for ``--resume``."""
 
 

@@ -59,11 +59,13 @@ class EngineSection(Strict):
         "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
     )
 
-    on_client_error: Literal["drop", "fail"] = Field(
-        "drop",
-        description="a client that raises or uploads NaN/Inf: drop it from the round (logged, counted in "
-        "'rejected'; a round with every client dropped is recorded as skipped), or fail the round (nothing "
-        "of it is committed; the run stops with one line and resumes from the last committed round)",
+    on_client_error: Literal["drop_non_finite", "drop", "fail"] = Field(
+        "drop_non_finite",
+        description="a client that fails: drop_non_finite drops an update with NaN/Inf from the round "
+        "(logged, counted in 'rejected') and fails the round when a client raises (a bug); drop drops "
+        "either; fail fails the round on either (nothing of it is committed; the run stops with one line "
+        "and resumes from the last committed round). A round with every client dropped is recorded as "
+        "skipped. An algorithm's ContractError always fails the round",
     )
 
     @field_validator("device")

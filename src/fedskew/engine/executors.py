@@ -62,7 +62,7 @@ def train_grouped_vectorized(
         except NotVectorizable as err:
             log.warning("round %d: %s; these clients train sequentially", job.round, err)
             outs = train_sequential(rt, job, members)
-        except Exception as err:  # a client raised: one by one, its failure is its own (on_client_error)
+        except Exception as err:  # a client raised: one by one, the failure is that client's
             log.warning("round %d: vectorized group failed (%s); training it sequentially", job.round, err)
             outs = train_sequential(rt, job, members)
         done.update((o.cid, o) for o in outs)

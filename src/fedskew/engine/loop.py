@@ -22,7 +22,7 @@ from torch import nn
 
 from fedskew.algorithms.base import Algorithm, Context, HyperParams, RoundInfo, State
 from fedskew.data.federated import FederatedData
-from fedskew.engine.client import ClientError
+from fedskew.engine.client import ALLOWED, ClientError
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.modes import make_executor, memory_format
@@ -56,7 +56,7 @@ def build_runtime(
     client: ClientSection,
     rounds: int,
     seed: int,
-    on_client_error: str = "drop",
+    on_client_error: str = "drop_non_finite",
 ) -> ClientRuntime:
     """The algorithm (constructed from a context derived from the config alone) and the clients' data on
     the device: what a client process needs, identical in every process of a run."""
@@ -163,7 +163,7 @@ class Simulation:
         if rejected and self.engine.on_client_error == "fail":
             raise ClientError(
                 f"round {r}: update of client {rejected[0]} rejected (non-finite values); the round was not "
-                "committed (engine.on_client_error=fail; allowed: drop, fail)"
+                f"committed (engine.on_client_error=fail; {ALLOWED})"
             )
         uploads = [o.upload for o in outcomes if o.upload is not None]
         if not uploads:
