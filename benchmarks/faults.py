@@ -260,14 +260,14 @@ class Campaign:
         """After SIGKILL of ``proc``: no process of its group left, ``--resume`` exits 0 with the same
         results as the reference."""
         proc.kill()
-        proc.communicate()
+        _, killed_err = proc.communicate()
         orphans = _group_alive(proc.pid)
         code, err = self.resume(mode, out)
         lost, altered = losses(Results.read(out), self.reference(mode))
         ok = code == 0 and not orphans
-        row.add(
-            ok, "Traceback" in err, lost, altered, f"{note}: exit {code}, orphans {orphans}, {err[-300:]}"
-        )
+        tb = "Traceback" in killed_err + err
+        note = f"{note}: exit {code}, orphans {orphans}, {killed_err[-300:]} {err[-300:]}"
+        row.add(ok, tb, lost, altered, note)
 
     # ------------------------------------------------------------------ kill trials
     def kill_random(self, mode: str) -> None:
@@ -304,6 +304,9 @@ class Campaign:
         landed = proc.poll() is None
         row = self.row(f"SIGKILL inside a {what} write", mode)
         self.settle_kill(row, mode, proc, out, f"target {target}, landed {landed}")
+        if not landed:  # the run ended before the write it was to be killed in: not the fault asked for
+            row.survived -= 1
+            row.notes.append(f"{what} write {target} never reached (exit {proc.returncode})")
 
     def kill_worker(self) -> None:
         """SIGKILL one worker process mid-round: the round runs again on new workers, the run finishes."""
@@ -351,8 +354,9 @@ class Campaign:
         )
         running = first.poll() is None
         row = self.row("second process on the same --out", mode)
-        if not running:  # the first finished before the second started: not a trial
-            first.communicate()
+        if not running:  # the first run must still hold the folder (its writes are slowed down)
+            _, err1 = first.communicate()
+            row.add(False, "Traceback" in err1, note=f"first run ended early: {err1[-300:]}")
             return
         self.settle_kill(row, mode, first, out, f"second: exit {second.returncode} {err.strip()}")
         if not refused:

@@ -133,7 +133,9 @@ def write_bytes(fh: io.RawIOBase | io.BufferedIOBase, data: bytes) -> None:
     view = memoryview(data)
     delay = float(os.environ.get("FEDSKEW_FAULT_WRITE_DELAY") or 0)
     if delay > 0:  # fault-injection campaign only: stretch the write so that a kill can land inside it
-        write_bytes(fh, view[: len(view) // 2].tobytes())
+        half = view[: len(view) // 2]
+        while half:
+            half = half[fh.write(half) or 0 :]
         fh.flush()
         time.sleep(delay)
         view = view[len(view) // 2 :]
