@@ -264,7 +264,8 @@ def test_checkpoint_is_atomic_and_loadable(tmp_path):
     cfg = build_config(digits_config(rounds=2))
     run_experiment(cfg, tmp_path / "r")
     files = sorted(p.name for p in (tmp_path / "r").iterdir())
-    assert files == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "summary.json"]
+    kept = ["checkpoint.prev.pt", "checkpoint.pt"]  # the last two checkpoints
+    assert files == [".lock", *kept, "config.yaml", "metrics.jsonl", "summary.json"]
     ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)  # no pickled code
     assert ck["round"] == 2 and len(ck["history"]) == 2
     assert Path(tmp_path / "r" / "config.yaml").read_text().startswith("name:")

@@ -12,6 +12,7 @@ from fedskew.engine.evaluation import EVAL_BATCH
 from fedskew.engine.loop import Simulation
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.workers import WorkerExecutor
+from fedskew.errors import RunFailure
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from tests.conftest import digits_config
@@ -47,7 +48,7 @@ def test_worker_errors_reach_the_parent(tmp_path, monkeypatch):
         raise ValueError("broken loss")
 
     monkeypatch.setattr(FedAvg, "local_loss", boom)
-    with pytest.raises(ValueError, match="broken loss"):
+    with pytest.raises(RunFailure, match=r"round 1: client \d+ raised ValueError: broken loss"):
         run_experiment(build_config(worker_config("fedavg", 2)), tmp_path / "run")
 
 

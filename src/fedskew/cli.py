@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fedskew.errors import FedskewError
+from fedskew.errors import FedskewError, RunFailure
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under non-IID data.")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect datasets and partitions.")
@@ -348,6 +348,11 @@ def data_show(
     console.print(f"heatmap: {path}")
 
 
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line, even when it quotes input holding line breaks."""
+    return " ".join(str(err).splitlines())
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -358,8 +363,11 @@ def main() -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except FedskewError as err:
-        print(f"error: {err}", file=sys.stderr)  # one unwrapped line
+        print(f"error: {_one_line(err)}", file=sys.stderr)  # one unwrapped line
         sys.exit(2)
+    except RunFailure as err:  # a fault, not bad input: the committed rounds are kept for --resume
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted: progress kept in the checkpoint; continue with --resume", file=sys.stderr)
         sys.exit(130)

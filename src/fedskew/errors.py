@@ -21,7 +21,12 @@ class DataError(FedskewError):
     """Missing, corrupted or unusable data files, or an infeasible partition."""
 
 
+class RunFailure(RuntimeError):
+    """A run stopped by a fault outside the config (a client failed under ``engine.on_client_error``, a
+    worker process died twice, the disk is full): one line; the committed rounds are kept for ``--resume``."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` when a close match exists, else ``""``."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""

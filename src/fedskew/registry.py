@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import typing
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from fedskew.errors import ConfigError, did_you_mean
 
@@ -36,7 +39,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         try:
             return self._items[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable name (a list or mapping in a config)
             valid = ", ".join(sorted(self._items))
             raise ConfigError(
                 f"unknown {self.kind} '{name}'{did_you_mean(name, self._items)}; valid: {valid}"
@@ -104,3 +107,29 @@ def check_options(
         if key not in allowed:
             names = ", ".join(allowed) or "(none)"
             raise ConfigError(f"{subject.format(key=key)}{did_you_mean(key, allowed)}; allowed: {names}")
+    check_option_types(fn, options, subject)
+
+
+def check_option_types(fn: Callable[..., object], options: Mapping[str, object], subject: str) -> None:
+    """Reject option values that do not fit ``fn``'s annotations (a string where a number is expected, a
+    value out of an annotated range, ...) in one line; options without a usable annotation pass."""
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # an annotation that cannot be resolved: the function checks its own inputs
+        return
+    for key, value in options.items():
+        if key not in hints:
+            continue
+        try:
+            adapter: TypeAdapter[Any] = TypeAdapter(hints[key])
+        except Exception:  # an annotation pydantic has no schema for (arrays, callables)
+            continue
+        head, _, _ = subject.format(key=key).partition(": ")
+        where = head if f"{key}'" in head else f"{head}: option '{key}'"
+        try:
+            out = adapter.validate_python(value)
+        except ValidationError as err:
+            msg = err.errors()[0]["msg"]
+            raise ConfigError(f"{where}: {msg} (got {value!r})") from None
+        if isinstance(value, str) and not isinstance(out, str):
+            raise ConfigError(f"{where}: expected {type(out).__name__}, not a string (got {value!r})")

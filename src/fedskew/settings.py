@@ -72,6 +72,15 @@ class EngineSection(Strict):
         "replies; clients of nodes that did not reply are dropped from the round",
     )
 
+    on_client_error: Literal["drop_non_finite", "drop", "fail"] = Field(
+        "drop_non_finite",
+        description="a client that fails: drop_non_finite drops an update with NaN/Inf from the round "
+        "(logged, counted in 'rejected') and fails the round when a client raises (a bug); drop drops "
+        "either; fail fails the round on either (nothing of it is committed; the run stops with one line "
+        "and resumes from the last committed round). A round with every client dropped is recorded as "
+        "skipped. An algorithm's ContractError always fails the round",
+    )
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:

@@ -64,12 +64,13 @@ class Dataset:
         return list(self.classes) if self.classes is not None else [str(c) for c in range(self.num_classes)]
 
     def to_float(self, x: Tensor) -> Tensor:
-        """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``."""
-        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``: in place on one new
+        tensor (the whole training set is converted at once: temporaries would triple its peak memory)."""
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.to(torch.float32, copy=True)
         if x.dim() == 4:
             mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
             std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-            x = (x - mean) / std
+            x.sub_(mean).div_(std)
         return x
 
     def __repr__(self) -> str:  # keep tensors out of reprs

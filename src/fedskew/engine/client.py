@@ -24,6 +24,7 @@ from fedskew.algorithms.base import (
     Algorithm,
     Batch,
     ClientView,
+    ContractError,
     LocalPlan,
     LocalResult,
     Payload,
@@ -35,14 +36,21 @@ from fedskew.algorithms.base import (
 )
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, tree_to
+from fedskew.errors import RunFailure
 from fedskew.seeding import derive_seed, seed_torch
 from fedskew.settings import ClientSection
 
 log = logging.getLogger("fedskew.engine")
+#: the values of engine.on_client_error, for error messages
+ALLOWED = "allowed: drop_non_finite, drop, fail"
 
 
 class NonFiniteLoss(RuntimeError):
     """Local training produced a NaN/Inf loss: the client's update is rejected."""
+
+
+class ClientError(RunFailure):
+    """A client failed and ``engine.on_client_error`` says to fail the round: nothing of it is committed."""
 
 
 def epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
@@ -108,15 +116,29 @@ def finish_client(
 def train_client(
     rt: ClientRuntime, cid: int, round_idx: int, payload: Payload, state: State
 ) -> ClientOutcome:
-    """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``."""
-    model = rt.models.model_for(cid)
-    client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
+    """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``. A
+    client that raises fails the round with a :class:`ClientError` naming it, or under
+    ``on_client_error=drop`` is dropped (a rejected outcome, logged); a ContractError is always raised."""
     try:
-        result = run_phases(model, rt.algorithm, client, rt.client)
-    except NonFiniteLoss as err:
-        log.warning("round %d: rejected update: %s", round_idx, err)
+        model = rt.models.model_for(cid)
+        client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
+        try:
+            result = run_phases(model, rt.algorithm, client, rt.client)
+        except NonFiniteLoss as err:
+            log.warning("round %d: rejected update: %s", round_idx, err)
+            return ClientOutcome.received(cid, payload)
+        return finish_client(rt, model, client, result)
+    except ContractError:  # the algorithm breaks the contract for every client: never a client's fault
+        raise
+    except Exception as err:
+        what = f"round {round_idx}: client {cid} raised {type(err).__name__}: {err}".splitlines()[0]
+        if rt.on_client_error != "drop":
+            raise ClientError(
+                f"{what}; the round was not committed (engine.on_client_error={rt.on_client_error}; "
+                f"{ALLOWED})"
+            ) from err
+        log.warning("%s; the client is dropped from the round", what)
         return ClientOutcome.received(cid, payload)
-    return finish_client(rt, model, client, result)
 
 
 def run_phases(

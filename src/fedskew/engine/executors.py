@@ -17,7 +17,7 @@ import logging
 from collections.abc import Hashable
 from typing import Protocol
 
-from fedskew.algorithms.base import RoundInfo
+from fedskew.algorithms.base import ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
@@ -61,6 +61,11 @@ def train_grouped_vectorized(
             outs = train_vectorized(rt, job, members, memory_mb)
         except NotVectorizable as err:
             log.warning("round %d: %s; these clients train sequentially", job.round, err)
+            outs = train_sequential(rt, job, members)
+        except ContractError:
+            raise
+        except Exception as err:  # a client raised: one by one, the failure is that client's
+            log.warning("round %d: vectorized group failed (%s); training it sequentially", job.round, err)
             outs = train_sequential(rt, job, members)
         done.update((o.cid, o) for o in outs)
     return [done[c] for c in cids]

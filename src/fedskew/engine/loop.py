@@ -10,6 +10,7 @@ what a checkpoint written on failure or interrupt holds.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch import nn
 
 from fedskew.algorithms.base import Algorithm, Context, HyperParams, RoundInfo, State
 from fedskew.data.federated import FederatedData
+from fedskew.engine.client import ALLOWED, ClientError
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.modes import make_executor, memory_format
@@ -28,6 +30,8 @@ from fedskew.engine.runtime import INIT_KEY, ClientData, ClientRuntime, ModelCac
 from fedskew.engine.sampling import derive_seed, sampling_schedule
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.settings import ClientSection, EngineSection, EvalSection
+
+log = logging.getLogger("fedskew.engine")
 
 
 @dataclass
@@ -52,6 +56,7 @@ def build_runtime(
     client: ClientSection,
     rounds: int,
     seed: int,
+    on_client_error: str = "drop_non_finite",
 ) -> ClientRuntime:
     """The algorithm (constructed from a context derived from the config alone) and the clients' data on
     the device: what a client process needs, identical in every process of a run."""
@@ -79,7 +84,7 @@ def build_runtime(
     train = ClientData(
         ds.to_float(ds.x_train).to(dev), ds.y_train.to(dev), [t.to(dev) for t in data.train_idx], counts
     )
-    return ClientRuntime(algorithm, train, models, client, seed, dev)
+    return ClientRuntime(algorithm, train, models, client, seed, dev, on_client_error)
 
 
 class Simulation:
@@ -101,7 +106,9 @@ class Simulation:
         device = torch.device(engine.device)
         fmt = memory_format(engine.memory_format, device, engine.mode)
         models = ModelCache(build_model, arch_key, device, fmt, seed)
-        self.runtime = build_runtime(data, algorithm_cls, params, models, client, rounds, seed)
+        self.runtime = build_runtime(
+            data, algorithm_cls, params, models, client, rounds, seed, engine.on_client_error
+        )
         self.algorithm = self.runtime.algorithm
         self.engine, self.rounds, self.seed = engine, rounds, seed
         self.every = evaluation.every
@@ -127,6 +134,7 @@ class Simulation:
         self.schedule = sampling_schedule(self.num_clients, client.fraction, rounds, seed)
         self.round = 0
         self.history: list[dict[str, Any]] = []
+        self.skipped: list[int] = []  # rounds in which every sampled client was rejected
         self.bytes_up = 0
         self.bytes_down = 0
         self.times = RoundTimes()
@@ -155,7 +163,15 @@ class Simulation:
             self.executor = make_executor(self.runtime, self.engine, cids)
         job = RoundJob(r, cids, self.server, {cid: self.client_state(cid) for cid in cids})
         outcomes = self.executor.train(job)
+        rejected = [o.cid for o in outcomes if o.upload is None]
+        if rejected and self.engine.on_client_error == "fail":
+            raise ClientError(
+                f"round {r}: update of client {rejected[0]} rejected (non-finite values); the round was not "
+                f"committed (engine.on_client_error=fail; {ALLOWED})"
+            )
         uploads = [o.upload for o in outcomes if o.upload is not None]
+        if not uploads:
+            log.warning("round %d: every sampled client was rejected; the round is skipped", r)
         t1 = time.perf_counter()
         info = RoundInfo(round=r, cid=None, seed=self.seed)
         server = self.algorithm.aggregate(self.server, uploads, info) if uploads else self.server
@@ -169,6 +185,8 @@ class Simulation:
         # commit
         self.server, self.round = server, r
         self.client_states.update(states)
+        if not uploads:
+            self.skipped.append(r)
         self.bytes_up += traffic[0]
         self.bytes_down += traffic[1]
         self.times.train += t1 - t0
@@ -177,7 +195,7 @@ class Simulation:
         if record is not None:
             record.update(seconds=t3 - t0, seconds_train=t1 - t0, seconds_eval=t3 - t2)
             self.history.append(record)
-        return RoundOutcome(r, record, [o.cid for o in outcomes if o.upload is None])
+        return RoundOutcome(r, record, rejected)
 
     def _record(
         self,
@@ -210,6 +228,8 @@ class Simulation:
         dropped = [o.cid for o in outcomes if o.dropped]
         if dropped:  # clients a distributed runtime lost this round (see docs/deployment.md)
             record["dropped"] = dropped
+        if not uploads:  # the server state is the previous round's: nothing was averaged
+            record["skipped"] = True
         record.update(self.algorithm.round_metrics(server))
         return record
 
@@ -227,6 +247,7 @@ class Simulation:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "times": self.times.__dict__.copy(),
+            "skipped": list(self.skipped),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -237,3 +258,4 @@ class Simulation:
         self.bytes_up = int(sd["bytes_up"])
         self.bytes_down = int(sd["bytes_down"])
         self.times = RoundTimes(**sd.get("times", {}))
+        self.skipped = [int(r) for r in sd.get("skipped", [])]

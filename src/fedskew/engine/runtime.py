@@ -86,6 +86,7 @@ class ClientRuntime:
     client: ClientSection
     seed: int
     device: torch.device
+    on_client_error: str = "drop_non_finite"  # engine.on_client_error
 
     def initial_state(self, cid: int) -> State:
         """The client's state before its first round, on CPU (from the algorithm's context alone)."""

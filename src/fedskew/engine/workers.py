@@ -24,12 +24,16 @@ Forking needs a CPU run (CUDA cannot be forked); :func:`pool_supported` says why
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import io
 import logging
 import mmap
+import os
 import pickle
 import queue
 import signal
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ from fedskew.algorithms.base import State
 from fedskew.engine.executors import train_grouped_vectorized, train_sequential
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
+from fedskew.errors import RunFailure
 
 log = logging.getLogger("fedskew.engine")
 
@@ -51,6 +56,10 @@ _INHERITED: ClientRuntime | None = None
 _POLL_SECONDS = 1.0
 #: bytes of each arena (virtual: pages are only backed once written); larger messages are pickled whole
 ARENA_BYTES = 1 << 30
+#: prctl option: the signal a process gets when its parent dies (linux/prctl.h)
+_PR_SET_PDEATHSIG = 1
+#: times a round is run again on freshly forked workers after a worker process died mid-round
+WORKER_RETRIES = 1
 _ALIGN = 64
 
 
@@ -121,6 +130,10 @@ class Arena:
         return _ArenaUnpickler(io.BytesIO(data), self._bytes).load()
 
 
+class WorkerDied(RunFailure):
+    """A worker process exited mid-round (killed by a signal, the OOM killer, ...)."""
+
+
 @dataclass
 class WorkerFailure:
     """An exception raised inside a worker, re-raised in the parent with the client it happened on."""
@@ -138,12 +151,26 @@ def pool_supported(device: torch.device) -> str | None:
     return None
 
 
-def _worker_main(inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this worker when its parent dies (Linux): a parent killed by SIGKILL or the OOM
+    killer cannot stop its workers, which would otherwise wait on their inbox forever."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker_main(
+    inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena, parent: int
+) -> None:
     """Worker loop: ``(round, cids, server | None, client states, vectorized, memory_mb)`` in, ``(wid, cids,
     outcomes)`` out. A task is one client, or with ``vectorized`` a group trained at once with vmap. The
     server state comes with a worker's first task of a round and serves its later ones."""
     rt = _INHERITED
     assert rt is not None
+    if sys.platform.startswith("linux"):
+        _die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     server: State = {}
@@ -192,7 +219,14 @@ class WorkerPool:
             self.procs = [
                 ctx.Process(
                     target=_worker_main,
-                    args=(self.inboxes[i], self.outbox, i, self.task_arenas[i], self.result_arenas[i]),
+                    args=(
+                        self.inboxes[i],
+                        self.outbox,
+                        i,
+                        self.task_arenas[i],
+                        self.result_arenas[i],
+                        os.getpid(),
+                    ),
                     daemon=True,
                 )
                 for i in range(n)
@@ -245,10 +279,11 @@ class WorkerPool:
             except queue.Empty:
                 dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
-                    self.close()
-                    raise RuntimeError(
-                        f"engine worker {dead[0]} exited (exit code {self.procs[dead[0]].exitcode}); "
-                        "rerun with engine.workers=1 to see the error in-process"
+                    code = self.procs[dead[0]].exitcode
+                    self.close(terminate=True)
+                    raise WorkerDied(
+                        f"engine worker {dead[0]} exited (exit code {code}); rerun with engine.workers=1 to "
+                        "see the error in-process"
                     ) from None
 
     def close(self, terminate: bool = False) -> None:
@@ -290,16 +325,23 @@ class WorkerExecutor:
             if self.vectorized and len(job.cids) > 1:
                 return train_grouped_vectorized(self.rt, job, job.cids, self.memory_mb)
             return train_sequential(self.rt, job, job.cids)
-        if self.pool is None:
-            self.pool = WorkerPool(self.rt, min(self.workers, len(self.rt.data.index)))
-        try:
-            return self.pool.train(
-                job, lambda cid: float(self.rt.data.size(cid)), self.vectorized, self.memory_mb
-            )
-        except BaseException:  # failed or interrupted mid-round: the workers' tasks are abandoned
-            self.pool.close(terminate=True)
-            self.pool = None
-            raise
+        attempt = 0
+        while True:
+            if self.pool is None:
+                self.pool = WorkerPool(self.rt, min(self.workers, len(self.rt.data.index)))
+            try:
+                return self.pool.train(
+                    job, lambda cid: float(self.rt.data.size(cid)), self.vectorized, self.memory_mb
+                )
+            except WorkerDied as err:  # nothing of the round was committed: run it again on new workers
+                self.pool, attempt = None, attempt + 1
+                if attempt > WORKER_RETRIES:
+                    raise WorkerDied(f"round {job.round}: {err}, again after a retry") from None
+                log.warning("round %d: %s; running the round again on new workers", job.round, err)
+            except BaseException:  # failed or interrupted mid-round: the workers' tasks are abandoned
+                self.pool.close(terminate=True)
+                self.pool = None
+                raise
 
     def close(self) -> None:
         if self.pool is not None:

@@ -109,14 +109,22 @@ class AlgorithmConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+#: the most rounds a config may ask for: every round's sampled clients are drawn before the first round
+MAX_ROUNDS = 1_000_000
+
+
 class CheckpointSection(Strict):
     every: int = Field(5, ge=0, description="write a checkpoint every k rounds (0: only at the end)")
 
 
 class Config(Strict):
     name: str | None = Field(None, description="free-form run name")
-    seed: int = Field(0, description="seed: partition, initial model, sampling stream, batches")
-    rounds: int = Field(20, ge=1, description="communication rounds")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="seed: partition, initial model, sampling stream, batches"
+    )
+    rounds: int = Field(
+        20, ge=1, le=MAX_ROUNDS, description="communication rounds (the sampling stream is drawn up front)"
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -141,10 +149,27 @@ def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[s
     return list(cur.model_fields)
 
 
+def _description(model: type[BaseModel], path: tuple[str | int, ...]) -> str:
+    cur: Any = model
+    for part in path:
+        field = cur.model_fields.get(part) if isinstance(part, str) and isinstance(cur, type) else None
+        if field is None:
+            return ""
+        cur = field.annotation
+        if part == path[-1]:
+            return field.description or ""
+        args = [a for a in getattr(cur, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+        cur = args[0] if args else cur
+    return ""
+
+
 def _format_validation_error(err: ValidationError, model: type[BaseModel] = Config) -> str:
     e = err.errors()[0]
     loc = tuple(e["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
+    if e["type"] == "missing":
+        what = _description(model, loc)
+        return f"config key '{key}' is required{'; expected: ' + what if what else ''}"
     if e["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc)
         hint = did_you_mean(str(loc[-1]), allowed)
@@ -167,7 +192,9 @@ def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
     for part in parts[:-1]:
         nxt = node.setdefault(part, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set '{key}': '{part}' is not a section")
+            raise ConfigError(
+                f"--set '{key}': '{part}' holds {nxt!r}, not a section; expected a mapping of keys there"
+            )
         node = nxt
     try:
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
@@ -279,7 +306,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if not p.is_file():
         raise ConfigError(f"config file '{p}' not found")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file '{p}': not UTF-8 ({err.reason}); expected a YAML mapping") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file '{p}': invalid YAML ({str(err).splitlines()[0]})") from None
     return build_config(raw, overrides)

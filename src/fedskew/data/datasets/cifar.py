@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,16 +58,37 @@ files.FILES["cifar100"] = DatasetFiles(
 )
 
 
+#: the only globals a CIFAR batch pickle references (numpy arrays, bytes); anything else is refused
+_PICKLE_GLOBALS = {
+    (module, name)
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+    for name in ("_reconstruct", "scalar")
+} | {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # bytes in protocol-2 pickles
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: a pickle can otherwise run any code it names."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in _PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name} (a CIFAR batch holds arrays only)")
+        return super().find_class(module, name)
+
+
+def _load_pickle(path: Path) -> object:
+    with open(path, "rb") as f:
+        return _ArraysOnly(f, encoding="bytes").load()
+
+
 def read_cifar_batch(path: str | os.PathLike, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     """A CIFAR python pickle batch: images ``uint8 [N, 3, 32, 32]`` and labels ``int64 [N]``.
 
-    ``label_key`` is ``labels`` (CIFAR-10) or ``fine_labels`` (CIFAR-100). Pickles can execute code: only
-    load files whose checksum was verified or that you made yourself.
+    ``label_key`` is ``labels`` (CIFAR-10) or ``fine_labels`` (CIFAR-100). The pickle is read with an
+    unpickler that accepts containers and numpy arrays only, so a tampered file cannot run code.
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+        batch: Any = _load_pickle(path)
         x = np.asarray(batch[b"data"], dtype=np.uint8)
         y = np.asarray(batch[label_key.encode()], dtype=np.int64)
     except _PICKLE_ERRORS as err:
@@ -79,8 +101,7 @@ def read_cifar_batch(path: str | os.PathLike, label_key: str) -> tuple[np.ndarra
 def read_pickle_names(path: str | os.PathLike, key: str) -> list[str] | None:
     """Class names from a CIFAR ``meta`` / ``batches.meta`` pickle, or ``None`` when absent or unreadable."""
     try:
-        with open(path, "rb") as f:
-            meta = pickle.load(f, encoding="bytes")
+        meta: Any = _load_pickle(Path(path))
         return [n.decode() if isinstance(n, bytes) else str(n) for n in meta[key.encode()]]
     except _PICKLE_ERRORS:
         return None
