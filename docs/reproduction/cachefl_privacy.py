@@ -58,7 +58,9 @@ def cachefl_target(config: Path) -> GradientTarget:
 
     def logits(x: torch.Tensor) -> torch.Tensor:
         f = F.normalize(backbone.encode_images(x, "test"), dim=-1)
-        return cache_logits(f, assets["text"], keys, values, hyper["alpha"], hyper["beta"], hyper["logit_scale"])
+        return cache_logits(
+            f, assets["text"], keys, values, hyper["alpha"], hyper["beta"], hyper["logit_scale"]
+        )
 
     return GradientTarget(logits, (keys,))
 
@@ -100,8 +102,10 @@ def main() -> None:
             "psnr_final": [round(float(v), 2) for v in final],
             "psnr_mean": round(float(final.mean()), 2),
             "psnr_std": round(float(final.std()), 2) if len(rows) > 1 else 0.0,
-            "psnr_by_iteration": {str(it): round(float(torch.stack([r.psnr[k, 0] for r in rows]).mean()), 2)
-                                  for k, it in enumerate(rows[0].iterations)},
+            "psnr_by_iteration": {
+                str(it): round(float(torch.stack([r.psnr[k, 0] for r in rows]).mean()), 2)
+                for k, it in enumerate(rows[0].iterations)
+            },
             "labels_recovered": sum(int(r.labels[0] == y[i]) for i, r in enumerate(rows)),
             "observed_params": sum(p.numel() for p in target.params),
             "seconds": round(time.time() - t0, 1),
@@ -111,7 +115,9 @@ def main() -> None:
     save_dlg_grid(args.grid, x[:1], grid)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"images": args.images, "iterations": args.iterations, **out}, indent=2))
+        args.json.write_text(
+            json.dumps({"images": args.images, "iterations": args.iterations, **out}, indent=2)
+        )
 
 
 if __name__ == "__main__":
