@@ -29,9 +29,11 @@ from fedskew.algorithms.cachefl import cache_logits
 from fedskew.data.base import DATASETS, resolve_root
 from fedskew.experiment.config import load_config
 from fedskew.experiment.dlg import GradientTarget, dlg_attack, dlg_lenet, module_target, save_dlg_grid
-from fedskew.experiment.runner import build_data, vision_language_spec
+from fedskew.experiment.runner import vision_language_spec
 from fedskew.models import MODELS
-from fedskew.models.backbones import BACKBONES
+from fedskew.models.backbones import BACKBONES, to_backbone_input
+from fedskew.models.backbones.efficientnet_lite import MEAN, STD
+from fedskew.models.vision_language import encode_cached, normalize, synthetic_set, text_embeddings
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/cachefl/mnist-iid.yaml"
@@ -45,22 +47,25 @@ def pixel_network(net: torch.nn.Module, mean: float, std: float) -> GradientTarg
     return GradientTarget(lambda x: net((x - mean) / std), target.params)
 
 
-def cachefl_target(config: Path) -> GradientTarget:
-    """Eq. (7) on the frozen backbone's normalised features of the pixels; only W1 (the keys) observed."""
+def cachefl_target(config: Path, class_names: list[str]) -> GradientTarget:
+    """Eq. (7) on the frozen backbone's normalised features of the pixels; only W1 (the keys) observed.
+
+    The keys and W_text are the run's: the same generator draw and feature cache as ``build_data``."""
     cfg = load_config(config, [])
-    fed = build_data(cfg)
-    assets = fed.dataset.meta["assets"]
     spec = vision_language_spec(cfg.data.vision_language)
-    backbone = BACKBONES.get(spec.backbone)(resolve_root(cfg.data.root), **spec.backbone_options)
+    root = resolve_root(cfg.data.root)
+    backbone = BACKBONES.get(spec.backbone)(root, **spec.backbone_options)
+    size, cache_dir = spec.image_size or backbone.image_size, root / "features"
+    images, labels, rows = synthetic_set(spec, class_names, size, spec.seed)
+    keys = normalize(encode_cached(backbone, images, "synthetic", rows, cache_dir)).requires_grad_(True)
+    text = text_embeddings(spec, backbone, class_names, size, cache_dir)
+    values = F.one_hot(labels.long(), len(class_names)).float()
     hyper = cfg.algorithm.hyper()
-    keys = assets["cache_x"].clone().requires_grad_(True)
-    values = F.one_hot(assets["cache_y"].long(), assets["text"].shape[0]).float()
 
     def logits(x: torch.Tensor) -> torch.Tensor:
-        f = F.normalize(backbone.encode_images(x, "test"), dim=-1)
-        return cache_logits(
-            f, assets["text"], keys, values, hyper["alpha"], hyper["beta"], hyper["logit_scale"]
-        )
+        # the encoder itself (encode_images runs without autograd): the attacker differentiates through it
+        f = normalize(backbone.net(to_backbone_input(x, backbone.image_size, MEAN, STD)))
+        return cache_logits(f, text, keys, values, hyper["alpha"], hyper["beta"], hyper["logit_scale"])
 
     return GradientTarget(logits, (keys,))
 
@@ -85,7 +90,7 @@ def main() -> None:
     builders = {
         "dlg_lenet": lambda: pixel_network(dlg_lenet(shape, classes, args.seed), mean, std),
         "cnn_mnist": lambda: pixel_network(MODELS.get("cnn_mnist")(shape, classes), mean, std),
-        "cachefl": lambda: cachefl_target(args.config),
+        "cachefl": lambda: cachefl_target(args.config, list(ds.class_names)),
     }
     out: dict[str, dict] = {}
     grid = {}
