@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import scipy.stats
 
+from fedskew.errors import FedskewError
 from fedskew.experiment.report import RunResult, runs_by_folder
 
 IMG = Path(__file__).parent / "img"
@@ -69,7 +70,8 @@ def chosen(lr: dict[str, list[RunResult]], part: str) -> tuple[tuple[float, int]
     cands = lr_candidates(lr, part)
     if not cands:
         return None
-    best = max(cands, key=lambda k: (np.mean([acc(r, "val_accuracy") for r in cands[k]]), -k[0]))
+    # ties: the smaller lr, then the paper's batch 32
+    best = max(cands, key=lambda k: (np.mean([acc(r, "val_accuracy") for r in cands[k]]), -k[0], k[1]))
     return best, cands[best]
 
 
@@ -155,7 +157,16 @@ def k_sweep(k: dict) -> None:
     fig.savefig(IMG / "cachefl_k.png")
 
 
-def communication(main: dict) -> None:
+def per_round_bytes(root: Path, stem: str) -> tuple[float, float] | None:
+    """Bytes up and down per round, from the last logged round of seed 0 (finished or not)."""
+    path = root / "main" / stem / "seed0" / "metrics.jsonl"
+    if not path.is_file() or not path.read_text().strip():
+        return None
+    last = json.loads(path.read_text().strip().splitlines()[-1])
+    return last["bytes_up"] / last["round"], last["bytes_down"] / last["round"]
+
+
+def communication(root: Path) -> None:
     print(
         "\n| Method | parameters up / client / round | bytes up / round (10 clients) | bytes down / round |"
         "\n|---|---|---|---|"
@@ -166,16 +177,15 @@ def communication(main: dict) -> None:
         ("AdapterFL", "mnist-iid-adapterfl"),
         ("FedAvg (cnn_mnist)", "mnist-iid-fedavg"),
     ):
-        rs = main.get(stem)
-        if not rs:
+        got = per_round_bytes(root, stem)
+        if got is None:
             continue
-        s = rs[0].summary
-        up, down = s["bytes_up"] / s["rounds"], s["bytes_down"] / s["rounds"]
+        up, down = got
         per_round[label] = up
         print(f"| {label} | {up / 10 / 4:,.0f} | {up:,.0f} | {down:,.0f} |")
     if "CacheFL (W1)" in per_round and "FedAvg (cnn_mnist)" in per_round:
         ratio = per_round["CacheFL (W1)"] / per_round["FedAvg (cnn_mnist)"]
-        print(f"\nCacheFL / FedAvg bytes up per round: {ratio:.3f}")
+        print(f"\nCacheFL / FedAvg bytes up per round: {ratio:.4f}")
 
 
 def dlg_table(path: Path) -> None:
@@ -200,14 +210,20 @@ def dlg_table(path: Path) -> None:
             )
 
 
+def load(folder: Path) -> dict[str, list[RunResult]]:
+    try:
+        return runs_by_folder(folder)
+    except FedskewError:  # no finished run there (yet)
+        return {}
+
+
 def main() -> None:
     root = Path(sys.argv[1])
-    load = lambda sub: runs_by_folder(root / sub) if (root / sub).exists() else {}  # noqa: E731
-    runs, lr, k = load("main"), load("lr"), load("k")
+    runs, lr, k = (load(root / sub) for sub in ("main", "lr", "k"))
     main_table(runs, lr)
     lr_table(lr)
     k_sweep(k)
-    communication(runs)
+    communication(root)
     if len(sys.argv) > 2:
         dlg_table(Path(sys.argv[2]))
 
