@@ -71,3 +71,18 @@ def test_the_pipeline_from_pixels_caches_features_and_builds_the_assets(tmp_path
     assert torch.equal(again.dataset.x_test, out.dataset.x_test)
     assert torch.equal(again.dataset.meta["assets"]["text"], assets["text"])
     assert torch.equal(out.train_idx[0], fed.train_idx[0])  # the partition is untouched
+
+
+def test_the_prototype_head_averages_the_whole_pool_so_k_leaves_it_fixed(tmp_path):
+    ds = DATASETS.get("digits")(None)
+    fed = build_federated(ds, 2, {"name": "iid"}, seed=0, train_limit=20)
+    one, four = (
+        vision_language_data(
+            fed, VisionLanguageSpec("random_cnn", {"embed_dim": 8}, "procedural", {}, **kw), tmp_path
+        )
+        for kw in ({"shots": 1, "pool": 4, "cache": False}, {"shots": 4, "pool": 4, "cache": False})
+    )
+    a, b = one.dataset.meta["assets"], four.dataset.meta["assets"]
+    assert a["cache_x"].shape == (10, 8) and b["cache_x"].shape == (40, 8)
+    assert torch.equal(a["cache_x"], b["cache_x"][::4])  # K = 1 keeps the first image of each class
+    assert torch.equal(a["text"], b["text"])

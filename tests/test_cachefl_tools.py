@@ -75,6 +75,14 @@ def test_the_search_uses_a_validation_split_and_refuses_without_one():
     assert result["val_samples"] > 0 and 0.0 <= result["val_accuracy"] <= 1.0
 
 
+def test_the_search_accepts_a_few_shot_validation_split():
+    cfg = digits_vl(shots=4, val_shots=2)
+    del cfg["data"]["train_limit"]
+    result = search_alpha_beta(build_config(cfg), alpha_max=3.0, beta_max=5.0)
+    # at most val_shots per class x the 10 digit classes (dealt like each client's training mix)
+    assert 0 < result["val_samples"] <= 2 * 10 and 0.0 <= result["val_accuracy"] <= 1.0
+
+
 def test_exported_features_reload_through_the_features_backbone(tmp_path):
     cfg = build_config(digits_vl())
     path = export_features(cfg, tmp_path / "digits.pt")

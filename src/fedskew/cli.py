@@ -303,7 +303,9 @@ def features(
 
 @app.command("cachefl-search")
 def cachefl_search(
-    config: Path = typer.Argument(..., help="config with data.vision_language, data.val_fraction > 0"),
+    config: Path = typer.Argument(
+        ..., help="config with data.vision_language and data.val_fraction > 0 or data.val_shots"
+    ),
     set_: list[str] = typer.Option([], "--set", help="override: dotted.key=value (repeatable)"),
     alpha_max: float = typer.Option(10.0, "--alpha-max", help="Tip-Adapter search scale of α"),
     beta_max: float = typer.Option(10.0, "--beta-max", help="Tip-Adapter search scale of β"),

@@ -3,8 +3,9 @@
 :func:`search_alpha_beta` follows Tip-Adapter's search (Zhang et al. 2022, which CacheFL's "grid search"
 for α and β follows; CacheFL Appendix B.2): β_i = 0.1 + i (β_max − 0.1)/200, i = 0..199, and
 α_j = 0.1 + j (α_max − 0.1)/20, j = 0..19, scored by the accuracy of Eq. (7) on the clients' **validation**
-samples (``data.val_fraction > 0``), never on the test split. The keys are the initial synthetic cache, or
-with ``trained=True`` the keys after a full federated run of the config.
+samples (``data.val_fraction > 0``, or ``data.val_shots`` with ``data.shots``), never on the test split.
+The keys are the initial synthetic cache, or with ``trained=True`` the keys after a full federated run
+of the config.
 
 :func:`export_features` writes a config's vision-language features as a file the ``features`` backbone
 loads: ``train`` (rows no client holds are zero), ``test``, ``synthetic`` and ``text``.
@@ -58,9 +59,11 @@ def search_alpha_beta(
     cfg: Config, alpha_max: float = 10.0, beta_max: float = 10.0, trained: bool = False
 ) -> dict[str, Any]:
     """The (α, β) of Tip-Adapter's grid with the best validation accuracy (first best in grid order)."""
-    if cfg.data.val_fraction <= 0 or cfg.data.vision_language is None:
+    has_val = cfg.data.val_fraction > 0 or cfg.data.val_shots is not None
+    if not has_val or cfg.data.vision_language is None:
         raise ConfigError(
-            "the α/β search needs data.vision_language and a validation split: set data.val_fraction > 0"
+            "the α/β search needs data.vision_language and a validation split: "
+            "set data.val_fraction > 0 or data.val_shots (with data.shots)"
         )
     fed = build_data(cfg)
     assets = fed.dataset.meta["assets"]

@@ -130,7 +130,9 @@ def text_embeddings(
             raise ConfigError(f"backbone '{spec.backbone}' has no text encoder; use text_head: prototypes")
         with torch.no_grad():
             return normalize(backbone.encode_texts(class_prompts(spec.template, names)).cpu())
-    images, labels, rows = synthetic_set(spec, names, size, derive_seed(spec.seed, _PROTO_TAG))
+    # the whole pool per class, so that varying K (the cache's share of the pool) leaves W_text fixed
+    whole_pool = dataclasses.replace(spec, shots=spec.pool or spec.shots)
+    images, labels, rows = synthetic_set(whole_pool, names, size, derive_seed(spec.seed, _PROTO_TAG))
     feats = normalize(encode_cached(backbone, images, "prototypes", rows, cache_dir))
     sums = torch.zeros(len(names), feats.shape[1]).index_add_(0, labels, feats)
     return normalize(sums)
