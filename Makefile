@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench install clean
+.PHONY: demo test test-fast test-flower lint bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,7 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
+
+# Flower's real runtimes (Ray simulation, a loopback deployment with TLS): ~5 minutes of process start-ups
+test-flower: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m flower_runtime tests
 
 # the edit loop: everything but the tests marked slow (subprocesses, end-to-end learning, mode parity)
 test-fast: $(STAMP)
