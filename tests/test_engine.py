@@ -133,6 +133,26 @@ def test_output_folder_is_protected(tmp_path):
         run_experiment(other, tmp_path / "r", resume=True)
 
 
+def test_a_run_saved_before_new_config_keys_existed_still_resumes(tmp_path):
+    """A newer version adds keys with defaults; the saved config of an older run lacks them and must still
+    count as the same config (its metrics continue), while a changed value is still refused."""
+    import yaml
+
+    from fedskew.errors import FedskewError
+
+    cfg = build_config(digits_config(rounds=2))
+    run_experiment(cfg, tmp_path / "r")
+    saved = tmp_path / "r" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    del old["engine"]["on_client_error"], old["data"]["shots"]  # keys an older version did not write
+    saved.write_text(yaml.safe_dump(old))
+    assert run_experiment(cfg, tmp_path / "r", resume=True)["rounds"] == 2
+    old["client"]["lr"] = cfg.client.lr * 2
+    saved.write_text(yaml.safe_dump(old))
+    with pytest.raises(FedskewError, match="config differs"):
+        run_experiment(cfg, tmp_path / "r", resume=True)
+
+
 def _strip_timing(records):
     return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in records]
 

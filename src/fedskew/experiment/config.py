@@ -285,6 +285,16 @@ def parse_client_range(spec: str) -> range:
         ) from None
 
 
+def read_saved_config(path: Path) -> dict[str, Any]:
+    """A saved ``config.yaml`` as a mapping, with the defaults of keys added since it was written filled
+    in (so a run saved by an older version still resumes); as saved where this version cannot read it."""
+    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        return Config.model_validate(raw).to_dict()
+    except ValidationError:
+        return raw
+
+
 def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Validate a raw mapping (+ ``--set`` overrides) into a :class:`Config`; raises ConfigError."""
     data = copy.deepcopy(raw or {})

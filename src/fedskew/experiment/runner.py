@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 import fedskew
@@ -40,7 +39,13 @@ from fedskew.data.base import DATASETS
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.loop import Simulation
 from fedskew.errors import ConfigError, FedskewError, RunFailure
-from fedskew.experiment.config import Config, VisionLanguageConfig, dump_config, parse_client_range
+from fedskew.experiment.config import (
+    Config,
+    VisionLanguageConfig,
+    dump_config,
+    parse_client_range,
+    read_saved_config,
+)
 from fedskew.models.base import MODELS
 from fedskew.models.frozen import frozen_features
 from fedskew.models.vision_language import VisionLanguageSpec, vision_language_data
@@ -382,10 +387,8 @@ def prepare_output(out: Path, cfg: Config, resume: bool, force: bool) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     if resume and exists:
         saved = out / CONFIG_FILE
-        if saved.is_file():
-            old = yaml.safe_load(saved.read_text())
-            if old != cfg.to_dict():
-                raise FedskewError(f"--resume: config differs from the one saved in '{saved}'")
+        if saved.is_file() and read_saved_config(saved) != cfg.to_dict():
+            raise FedskewError(f"--resume: config differs from the one saved in '{saved}'")
         return load_checkpoint(out)
     if force:
         for name in (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_FILE, CHECKPOINT_PREV):

@@ -19,11 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import Config, load_config
+from fedskew.experiment.config import load_config, read_saved_config
 from fedskew.experiment.report import flatten_config, value_text
 from fedskew.experiment.runner import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -164,21 +161,12 @@ def render_name(template: str, stem: str, grid: str, config: dict[str, Any]) -> 
 
 
 # ---------------------------------------------------------------------------- planning
-def _saved_config(path: Path) -> dict[str, Any]:
-    """A saved ``config.yaml`` with the defaults of keys added since it was written filled in."""
-    raw = yaml.safe_load(path.read_text()) or {}
-    try:
-        return Config.model_validate(raw).to_dict()
-    except ValidationError:
-        return raw  # keys this version no longer has: compared as saved
-
-
 def check_saved_config(run: PlannedRun) -> None:
     """A folder that already holds another config is refused (it would be skipped or resumed wrongly)."""
     saved = run.folder / CONFIG_FILE
     if not saved.is_file():
         return
-    old, new = flatten_config(_saved_config(saved)), flatten_config(run.config)
+    old, new = flatten_config(read_saved_config(saved)), flatten_config(run.config)
     diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
     if diff:
         k = diff[0]

@@ -122,9 +122,7 @@ def mlp_mpfedcl(
     """
     d = math.prod(in_shape)
     fc_encoder = [nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()] if encoder else []
-    body = nn.Sequential(
-        nn.Flatten(), *fc_encoder, nn.Linear(hidden if encoder else d, embed_dim), nn.ReLU()
-    )
+    body = nn.Sequential(nn.Flatten(), *fc_encoder, nn.Linear(hidden if encoder else d, embed_dim), nn.ReLU())
     head: nn.Module = nn.Linear(embed_dim, num_classes)
     if relu_logits:
         head = nn.Sequential(head, nn.ReLU())
