@@ -88,6 +88,44 @@ def test_every_algorithm_gives_the_embedded_metrics_through_the_flower_apps(name
     assert_same_metrics(on_flower(raw, tmp_path / "f", LoopbackGrid(3)), embedded(raw, tmp_path / "e"))
 
 
+def test_the_rounds_log_gives_wire_bytes_beside_the_accounted_payload_bytes_and_node_timings(tmp_path):
+    """``flower_rounds.jsonl``: per round, uploads (all distinct) cost their accounted bytes plus a bounded
+    overhead (headers: about 470 bytes per array); the broadcast costs at most its accounted bytes plus the
+    config text per message (Flower stores identical arrays once per message); the slowest node's timings
+    are ordered: process age >= handler time >= runtime build time >= 0."""
+    raw = flower_config("fedavg", rounds=2)
+    recs = on_flower(raw, tmp_path / "f", LoopbackGrid(3))
+    rows = [json.loads(x) for x in (tmp_path / "f" / "flower_rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    config_text = len((tmp_path / "f" / "config.yaml").read_text())
+    for row, rec in zip(rows, recs, strict=True):
+        m = row["messages"]
+        assert row["replies"] == m and 1 <= m <= 3  # one message per node holding sampled clients
+        assert config_text < row["wire_bytes_down"] < rec["round_bytes_down"] + m * (config_text + 4096)
+        assert rec["round_bytes_up"] < row["wire_bytes_up"] < 1.5 * rec["round_bytes_up"] + m * 4096
+        assert row["node_seconds_process"] >= row["node_seconds_handler"] >= row["node_seconds_build"] >= 0
+
+
+def test_wire_bytes_count_identical_arrays_of_a_message_once():
+    from flwr.app import ConfigRecord
+
+    from fedskew.flower.server import wire_bytes
+
+    LoopbackGrid(1)  # sets the run identity Flower's messages need
+    arrays = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    one, two = RecordDict(), RecordDict()
+    put_payload(one, "p.0", Payload(arrays=arrays))
+    for cid in (0, 1):
+        put_payload(two, f"p.{cid}", Payload(arrays=arrays))
+    size = Payload(arrays=arrays).nbytes()
+    w1 = wire_bytes(Message(one, dst_node_id=1, message_type="train"))
+    w2 = wire_bytes(Message(two, dst_node_id=1, message_type="train"))
+    assert size < w1 < size + 2048 and w1 < w2 < w1 + 1024  # the second copy costs only its references
+    other = RecordDict({"p.0.a": ArrayRecord({"w": torch.randn(64, 64), "b": torch.randn(64)})})
+    other["x"] = ConfigRecord({"k": 1})
+    assert wire_bytes(Message(other, dst_node_id=1, message_type="train")) > size
+
+
 def test_payload_records_and_states_round_trip():
     p = Payload(
         arrays={

@@ -17,6 +17,8 @@ newer referenced one is at or below the server's last periodic checkpoint (no re
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +76,37 @@ def node_index(context: Context) -> int:
     return int(context.node_config.get(PARTITION_KEY, 0))
 
 
+def process_age() -> float:
+    """Seconds since this process started (Linux ``/proc``; NaN elsewhere): in a deployment, Flower starts
+    one ClientApp process per message, so this is the message's start-up plus handling time."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def timings(started: float, built: float) -> dict[str, float]:
+    """The reply's ``seconds_*`` entries: process age, runtime build (0 when cached) and the handler's own
+    time, all measured at the end of the handler that began at ``started``."""
+    return {
+        "seconds_process": process_age(),
+        "seconds_build": built,
+        "seconds_handler": time.perf_counter() - started,
+    }
+
+
 def node_runtime(config_text: str, context: Context) -> NodeRuntime:
     """The node's runtime for the run's config (cached per process: a simulation actor serves many)."""
+    return timed_node_runtime(config_text, context)[0]
+
+
+def timed_node_runtime(config_text: str, context: Context) -> tuple[NodeRuntime, float]:
+    """:func:`node_runtime` and the seconds spent building it (0 when it was cached)."""
+    t0 = time.perf_counter()
     root = str(context.node_config.get(DATA_ROOT_KEY, ""))
     key = (config_text, root, node_index(context))
     if key not in _CACHE:
@@ -84,7 +115,7 @@ def node_runtime(config_text: str, context: Context) -> NodeRuntime:
         if root:
             raw["data"]["root"] = root
         _CACHE[key] = build_node(build_config(raw), node_index(context))
-    return _CACHE[key]
+    return _CACHE[key], time.perf_counter() - t0
 
 
 def build_node(cfg: Config, index: int) -> NodeRuntime:
@@ -176,8 +207,9 @@ def _owned(node: NodeRuntime, cids: list[int]) -> None:
 
 def handle_train(content: RecordDict, context: Context) -> RecordDict:
     """Train the message's clients from their payloads and referenced states; reply with the uploads."""
+    started = time.perf_counter()
     job = content["job"]
-    node = node_runtime(str(job["config"]), context)
+    node, built = timed_node_runtime(str(job["config"]), context)
     r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
     reply = RecordDict()
@@ -193,7 +225,9 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
         accepted.append(cid)
         losses.append(float(outcome.loss))
         samples.append(int(outcome.upload.num_samples))
-    reply["job"] = ConfigRecord({"accepted": accepted, "loss": losses, "samples": samples})
+    reply["job"] = ConfigRecord(
+        {"accepted": accepted, "loss": losses, "samples": samples, **timings(started, built)}
+    )
     return reply
 
 

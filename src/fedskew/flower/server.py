@@ -15,7 +15,9 @@ found again by its ``partition-id`` on the next round.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedskew.algorithms.base import RoundInfo, State, Upload
 from fedskew.engine.evaluation import Evaluator, summarize
@@ -43,6 +46,12 @@ POLL_SECONDS = 0.02
 
 def ref_of(state: State) -> int:
     return int(state.get(REF_KEY, 0))
+
+
+def wire_bytes(message: Message) -> int:
+    """The bytes Flower transfers for ``message``: the serialized sizes of all its objects (the message,
+    its record dict, records and array chunks), each of which is pushed or pulled as one blob."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
 def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[int, Message]:
@@ -120,8 +129,8 @@ class FlowerExecutor:
 
     name = "flower"
 
-    def __init__(self, sim: Simulation, grid: Grid, cfg: Config) -> None:
-        self.sim, self.cfg = sim, cfg
+    def __init__(self, sim: Simulation, grid: Grid, cfg: Config, log_path: Path | None = None) -> None:
+        self.sim, self.cfg, self.log_path = sim, cfg, log_path
         self.config_text = dump_config(cfg)
         self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
         self.map.wait_all()
@@ -168,13 +177,38 @@ class FlowerExecutor:
             )
             for node, cids in groups.items()
         }
+        t0 = time.perf_counter()
         replies = exchange(self.map.grid, messages, self.cfg.engine.round_timeout)
+        self.log_round(job.round, messages, replies, time.perf_counter() - t0)
         outcomes: dict[int, ClientOutcome] = {}
         for node, cids in groups.items():
             outcomes.update(self.outcomes(job.round, cids, payloads, replies.get(node)))
         for cid in missing:
             outcomes[cid] = ClientOutcome(cid=cid, bytes_down=0, dropped=True)
         return [outcomes[c] for c in job.cids]
+
+    def log_round(
+        self, r: int, messages: dict[int, Message], replies: dict[int, Message], seconds: float
+    ) -> None:
+        """Append round ``r``'s transport figures to ``flower_rounds.jsonl``: messages, wire bytes each way,
+        the exchange's wall time and, over the replying nodes, the slowest ClientApp process's age, runtime
+        build and handler time (see :func:`fedskew.flower.node.timings`)."""
+        if self.log_path is None:
+            return
+        ok = [m for m in replies.values() if m.has_content() and "job" in m.content]
+        row: dict[str, Any] = {
+            "round": r,
+            "messages": len(messages),
+            "replies": len(replies),
+            "wire_bytes_down": sum(wire_bytes(m) for m in messages.values()),
+            "wire_bytes_up": sum(wire_bytes(m) for m in replies.values()),
+            "seconds_exchange": seconds,
+        }
+        for key in ("seconds_process", "seconds_build", "seconds_handler"):
+            values = [float(m.content["job"][key]) for m in ok if key in m.content["job"]]
+            row[f"node_{key}"] = max(values) if values and not any(map(math.isnan, values)) else None
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def outcomes(
         self, r: int, cids: list[int], payloads: dict[int, Any], reply: Message | None
@@ -255,11 +289,20 @@ class FlowerEvaluator:
         return summarize(per_client, loss, heads, torch.tensor(sizes))
 
 
+#: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
+ROUNDS_FILE = "flower_rounds.jsonl"
+
+
 def attach_flower(
-    sim: Simulation, grid: Grid, cfg: Config, test_sizes: list[int], val_sizes: list[int]
+    sim: Simulation,
+    grid: Grid,
+    cfg: Config,
+    test_sizes: list[int],
+    val_sizes: list[int],
+    log_path: Path | None = None,
 ) -> None:
     """Swap ``sim``'s executor and evaluator for the Flower ones; client states become node references."""
-    executor = FlowerExecutor(sim, grid, cfg)
+    executor = FlowerExecutor(sim, grid, cfg, log_path)
     sim.executor = executor
     sim.evaluator = FlowerEvaluator(sim.evaluator, executor, test_sizes, val_sizes)  # type: ignore[assignment]
     sim.initial_client_state = lambda cid: {REF_KEY: 0}
@@ -273,7 +316,11 @@ def serve(grid: Grid, cfg: Config, out: str | Path | None, resume: bool, force: 
     test_sizes = [int(t.numel()) for t in data.test_idx]
     val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
 
+    log_path = Path(out) / ROUNDS_FILE if out is not None else None
+    if force and log_path is not None:
+        log_path.unlink(missing_ok=True)
+
     def attach(sim: Simulation) -> None:
-        attach_flower(sim, grid, cfg, test_sizes, val_sizes)
+        attach_flower(sim, grid, cfg, test_sizes, val_sizes, log_path)
 
     return run_experiment(cfg, out, resume=resume, force=force, data=data, attach=attach)
