@@ -202,16 +202,45 @@ def _nan_upload(reply: Message) -> Message:
     return reply
 
 
-def test_error_replies_and_non_finite_uploads_are_rejected(tmp_path):
+def test_error_replies_follow_on_client_error_and_non_finite_uploads_are_rejected(tmp_path):
+    """A failing ClientApp is a client that raises: by default the round is not committed and the run stops
+    (resumable), as in the embedded engine; under ``drop`` its clients are rejected. NaN uploads are
+    rejected under both."""
+    from fedskew.engine.client import ClientError
+
     raw = flower_config("fedavg", rounds=1)
     raw["client"]["fraction"] = 1.0
     clean = on_flower(raw, tmp_path / "c", LoopbackGrid(3))
     grid = LoopbackGrid(3)
     grid.raising.add(0)  # node 0's ClientApp fails: Flower replies with an error
     grid.faults[2] = _nan_upload  # node 2 uploads NaN
-    recs = on_flower(raw, tmp_path / "f", grid)
+    with pytest.raises(ClientError, match=r"round 1: clients \[0, 3\] failed on their node"):
+        on_flower(raw, tmp_path / "f", grid)
+    assert not (tmp_path / "f" / "metrics.jsonl").exists() or not records(tmp_path / "f")
+    raw["engine"]["on_client_error"] = "drop"
+    recs = on_flower(raw, tmp_path / "d", grid)
     assert recs[0]["rejected"] == 4 and "dropped" not in recs[0]  # clients 0, 3 and 2, 5
     assert recs[0]["round_bytes_up"] * 3 == clean[0]["round_bytes_up"]  # node 1's two uploads only
+
+
+def test_a_node_flower_reports_unavailable_is_dropped_not_rejected(tmp_path):
+    """Flower answers a message whose node stopped sending heartbeats with a NODE_UNAVAILABLE error: the
+    node's clients are lost for the round (dropped), not failed."""
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    raw = flower_config("fedavg", rounds=1)
+    raw["client"]["fraction"] = 1.0
+    grid = LoopbackGrid(3)
+
+    def unavailable(reply: Message) -> Message:
+        lost = Message(Error(ErrorCode.NODE_UNAVAILABLE, "no heartbeat"), reply_to=reply)
+        lost.metadata.__dict__["_reply_to_message_id"] = reply.metadata.reply_to_message_id
+        return lost
+
+    grid.faults[1] = unavailable
+    recs = on_flower(raw, tmp_path / "f", grid)
+    assert recs[0]["dropped"] == [1, 4] and recs[0]["rejected"] == 0
 
 
 class ServerKilled(BaseException):

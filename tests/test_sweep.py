@@ -141,6 +141,57 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert (out / "digits-fedavg" / "seed0" / "summary.json").is_file()
 
 
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids.update(int(k) for k in (task / "children").read_text().split())
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_the_workers_of_a_killed_sweep_die_with_it(tmp_path):
+    """A sweep killed by SIGKILL (or the OOM killer) cannot stop its workers; the kernel must, or they
+    would sit forever on the pipe of a dead parent, holding their memory. The runs stay resumable."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    configs = write_configs(tmp_path)
+    for path in configs:
+        raw = yaml.safe_load(path.read_text())
+        path.write_text(yaml.safe_dump({**raw, "rounds": 500}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fedskew.cli", "sweep", *map(str, configs), "--jobs", "2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("*/seed0/metrics.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2  # the pool's workers (and its resource tracker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    outcome = run_sweep(plan_sweep(configs, out, [0]), jobs=1, listener=InterruptAt())
+    assert outcome.interrupted and not outcome.failed  # resumed from a checkpoint, then stopped by us
+
+
 def test_dry_run_lists_runs_with_their_state(tmp_path):
     configs = write_configs(tmp_path)
     out = tmp_path / "out"

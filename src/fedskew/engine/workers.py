@@ -151,7 +151,7 @@ def pool_supported(device: torch.device) -> str | None:
     return None
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Have the kernel kill this worker when its parent dies (Linux): a parent killed by SIGKILL or the OOM
     killer cannot stop its workers, which would otherwise wait on their inbox forever."""
     with contextlib.suppress(OSError, AttributeError):
@@ -170,7 +170,7 @@ def _worker_main(
     rt = _INHERITED
     assert rt is not None
     if sys.platform.startswith("linux"):
-        _die_with_parent(parent)
+        die_with_parent(parent)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     server: State = {}

@@ -13,12 +13,14 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from fedskew.engine.workers import die_with_parent
 from fedskew.experiment.sweep import (
     PlannedRun,
     RunState,
@@ -45,10 +47,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _init_worker(threads: int, messages: Any, stop: Any) -> None:
+def _init_worker(threads: int, messages: Any, stop: Any, parent: int) -> None:
     global _messages, _stop
     import torch
 
+    if sys.platform.startswith("linux"):  # a killed sweep must not leave workers behind
+        die_with_parent(parent)
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -100,7 +104,9 @@ class _Pool:
         ctx = mp.get_context("spawn")  # fork is unsafe once torch has started its thread pools
         self.messages, self.stop = ctx.Queue(), ctx.Event()
         with _sigint_ignored():
-            pool = ProcessPoolExecutor(jobs, ctx, _init_worker, (threads, self.messages, self.stop))
+            pool = ProcessPoolExecutor(
+                jobs, ctx, _init_worker, (threads, self.messages, self.stop, os.getpid())
+            )
             futures = {
                 pool.submit(_task, i, run.config, str(run.folder)): i for i, run in enumerate(self.todo)
             }

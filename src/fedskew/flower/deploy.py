@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
+from fedskew.flower.versions import STATE_DIR_KEY
 
 if TYPE_CHECKING:
     from fedskew.flower.apps import Job
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 #: the Flower app ``flwr run`` submits: a pyproject naming fedskew's generic apps (shipped in the package)
 APP_DIR = Path(__file__).parent / "app"
 START_SECONDS = 60.0
+#: the folder of an output folder where a local deployment's nodes keep their clients' states
+NODE_STATE_DIR = "node-state"
 
 
 def free_port() -> int:
@@ -75,7 +78,8 @@ class LocalDeployment:
     ``node_config``: extra node-config values per node index (e.g. ``data-root``). ``tls``: serve over TLS
     (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
     authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
-    in ``registered`` are registered with ``flwr supernode register``."""
+    in ``registered`` are registered with ``flwr supernode register``. ``state_root``: where node ``i`` keeps
+    its clients' states (``state_root/i``; default: in the temporary folder, gone at the end)."""
 
     nodes: int
     tls: Tls | None = None
@@ -83,6 +87,7 @@ class LocalDeployment:
     registered: list[Path] = field(default_factory=list)
     node_config: dict[int, dict[str, str]] = field(default_factory=dict)
     home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fedskew-flower-")))
+    state_root: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
 
@@ -111,6 +116,7 @@ class LocalDeployment:
         cfg = {
             "partition-id": str(index),
             "num-partitions": str(self.nodes),
+            STATE_DIR_KEY: str((self.state_root or self.home / "node-state") / str(index)),
             **self.node_config.get(index, {}),
         }
         pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())
@@ -285,5 +291,8 @@ def run_deployment(cfg: Config, out: str | Path | None, resume: bool, force: boo
 
     with tempfile.TemporaryDirectory(prefix="fedskew-run-") as scratch:
         target = Path(out) if out is not None else Path(scratch) / "out"
-        with LocalDeployment(cfg.engine.nodes) as dep:
+        states = target / NODE_STATE_DIR  # kept with the results, so that --resume finds the client states
+        if force:
+            shutil.rmtree(states, ignore_errors=True)
+        with LocalDeployment(cfg.engine.nodes, state_root=states) as dep:
             return dep.run([Job(cfg, target, resume, force)])[0]

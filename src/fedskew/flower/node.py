@@ -6,7 +6,8 @@ samples (client ``c`` lives on node ``c % engine.nodes``). It trains with
 :func:`fedskew.engine.client.train_client`, the embedded engine's one client pipeline, and evaluates its
 clients' personal models with the embedded evaluator's :func:`~fedskew.engine.evaluation.score`.
 
-Client state never leaves the node. It is kept in the node's ``Context.state`` as versions: the state a
+Client state never leaves the node. It is kept as versions (in Flower's ``Context.state``, or in the node's
+``state-dir`` folder: :mod:`fedskew.flower.versions`): the state a
 client produced in round ``r`` is version ``r`` (version 0: ``init_client``). The server only keeps, per
 client, the number of the version its committed rounds produced (in its checkpoint), and names it in every
 message, so a server that crashes and re-runs a round from its checkpoint trains from the same states, and
@@ -37,14 +38,13 @@ from fedskew.engine.types import tree_to
 from fedskew.experiment.config import Config, build_config
 from fedskew.experiment.runner import build_data, model_builders
 from fedskew.flower.records import get_payload, put_payload, state_from_bytes, state_to_bytes
+from fedskew.flower.versions import Versions, versions_of
 
 log = logging.getLogger("fedskew.flower")
 
 #: node-config keys: the node's index (Flower's own convention, set by the simulation runtime too), the
 #: number of nodes, and an optional data root overriding the config's ``data.root``
 PARTITION_KEY, NUM_PARTITIONS_KEY, DATA_ROOT_KEY = "partition-id", "num-partitions", "data-root"
-STATE_PREFIX = "fedskew.state."  # Context.state key prefix of a client's versions
-FLOOR_PREFIX = "fedskew.floor."
 
 
 @dataclass
@@ -127,7 +127,9 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
     models = ModelCache(build_model, arch_key, device, fmt, cfg.seed)
     alg_cls = ALGORITHMS.get(cfg.algorithm.name)
     params = alg_cls.Params(**cfg.algorithm.hyper())
-    full = build_runtime(data, alg_cls, params, models, cfg.client, cfg.rounds, cfg.seed)
+    full = build_runtime(
+        data, alg_cls, params, models, cfg.client, cfg.rounds, cfg.seed, cfg.engine.on_client_error
+    )
     owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
     # Only the owned clients' samples stay in memory; the others become empty views.
     keep = [full.data.index[c] for c in owned]
@@ -148,6 +150,7 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
         cfg.client,
         cfg.seed,
         device,
+        cfg.engine.on_client_error,
     )
     ds = data.dataset
     val = data.val_idx or [torch.zeros(0, dtype=torch.long) for _ in range(data.num_clients)]
@@ -165,37 +168,30 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
 
 
 # ---------------------------------------------------------------------- versioned client states
-def load_version(node: NodeRuntime, context: Context, cid: int, version: int) -> State:
+def load_version(node: NodeRuntime, store: Versions, cid: int, version: int) -> State:
     """Client ``cid``'s state version ``version``; a version this node does not hold (the node restarted
     and lost its memory) falls back to the initial state, with a warning."""
     if version == 0:
         return node.rt.initial_state(cid)
-    versions = context.state.get(STATE_PREFIX + str(cid))
-    if versions is None or str(version) not in versions:
+    blob = store.get(cid, version)
+    if blob is None:
         log.warning("client %d: state of round %d lost (node restarted); re-initialised", cid, version)
         return node.rt.initial_state(cid)
-    return state_from_bytes(versions[str(version)])
+    return state_from_bytes(blob)
 
 
-def store_version(context: Context, cid: int, version: int, state: State) -> None:
-    key = STATE_PREFIX + str(cid)
-    versions = context.state.get(key) or ConfigRecord()
-    versions[str(version)] = state_to_bytes(state)
-    context.state[key] = versions
+def store_version(store: Versions, cid: int, version: int, state: State) -> None:
+    store.put(cid, version, state_to_bytes(state))
 
 
-def prune(context: Context, cid: int, referenced: int, keep_from: int) -> None:
+def prune(store: Versions, cid: int, referenced: int, keep_from: int) -> None:
     """Drop versions older than the newest referenced version at or below ``keep_from`` (the server's last
     periodic checkpoint): no resume can name them again."""
-    floor_key = FLOOR_PREFIX + str(cid)
-    floor = int(context.state[floor_key]["v"]) if floor_key in context.state else 0
+    floor = store.floor(cid)
     if referenced <= keep_from:
         floor = max(floor, referenced)
-    context.state[floor_key] = ConfigRecord({"v": floor})
-    versions = context.state.get(STATE_PREFIX + str(cid))
-    if versions is not None:
-        for v in [v for v in versions if int(v) < floor]:
-            del versions[v]
+    store.set_floor(cid, floor)
+    store.drop_below(cid, floor)
 
 
 # ---------------------------------------------------------------------- handlers
@@ -212,15 +208,16 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
     node, built = timed_node_runtime(str(job["config"]), context)
     r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
+    store = versions_of(context, str(job.get("experiment", "")))
     reply = RecordDict()
     accepted, losses, samples = [], [], []
     for cid, ref in zip(cids, refs, strict=True):
-        prune(context, cid, ref, int(job["keep_from"]))
+        prune(store, cid, ref, int(job["keep_from"]))
         payload = get_payload(content, f"p.{cid}", node.rt.device)
-        outcome = train_client(node.rt, cid, r, payload, load_version(node, context, cid, ref))
+        outcome = train_client(node.rt, cid, r, payload, load_version(node, store, cid, ref))
         if outcome.upload is None or outcome.state is None:
             continue
-        store_version(context, cid, r, outcome.state)
+        store_version(store, cid, r, outcome.state)
         put_payload(reply, f"u.{cid}", outcome.upload.payload)
         accepted.append(cid)
         losses.append(float(outcome.loss))
@@ -253,11 +250,12 @@ def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
     node = node_runtime(str(job["config"]), context)
     cids, refs = [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
+    store = versions_of(context, str(job.get("experiment", "")))
     arrays: dict[str, torch.Tensor] = {}
     heads: list[str] = []
     for cid, ref in zip(cids, refs, strict=True):
         payload = get_payload(content, f"p.{cid}", node.rt.device)
-        state = load_version(node, context, cid, ref)
+        state = load_version(node, store, cid, ref)
         sp = node.splits[cid]
         for split, x, y, conv in (
             ("test", sp.x_test, sp.y_test, node.to_float),

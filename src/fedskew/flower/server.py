@@ -7,14 +7,18 @@ the round, and references to their states on that node) through Flower's ``Grid`
 into the :class:`~fedskew.engine.types.ClientOutcome` list the round loop expects. Personalized evaluation
 asks the nodes to score their clients' personal models (:class:`FlowerEvaluator`).
 
-Faults: a node that does not reply within ``engine.round_timeout`` seconds loses its clients for that round
-(``dropped`` in the metrics record; the round goes on with the others); an error reply or a non-finite
-upload rejects the clients like the embedded engine does. A restarted node gets a new Flower node id and is
+Faults: a node that does not reply within ``engine.round_timeout`` seconds, or that Flower reports lost
+(no heartbeat: ``NODE_UNAVAILABLE``; an expired message), loses its clients for that round (``dropped`` in
+the metrics record; the round goes on with the others). A ClientApp that fails (an error reply) follows
+``engine.on_client_error`` like a client that raises in the embedded engine (``drop``: its clients are
+rejected; otherwise the round is not committed and the run stops, resumable), and a non-finite upload is
+rejected. A restarted node gets a new Flower node id and is
 found again by its ``partition-id`` on the next round.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -26,10 +30,12 @@ from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedskew.algorithms.base import RoundInfo, State, Upload
+from fedskew.engine.client import ALLOWED, ClientError
 from fedskew.engine.evaluation import Evaluator, summarize
 from fedskew.engine.loop import Simulation
 from fedskew.engine.types import ClientOutcome, RoundJob
@@ -40,6 +46,10 @@ from fedskew.flower.records import get_payload, put_payload
 
 log = logging.getLogger("fedskew.flower")
 
+#: error codes with which Flower reports a lost message or node (transport, not the client): dropped
+LOST = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE}
+#: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
+ROUNDS_FILE = "flower_rounds.jsonl"
 REF_KEY = "flower.version"  # the only entry of a client state the server keeps: the node's version number
 POLL_SECONDS = 0.02
 
@@ -71,6 +81,13 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[i
         if pending:
             time.sleep(POLL_SECONDS)
     return replies
+
+
+def experiment_key(config_text: str, out: Path | None) -> str:
+    """What names an experiment to the nodes' state folders: its resolved config and output folder (the
+    same on a resume, different for two experiments sharing the nodes)."""
+    where = str(out.resolve()) if out is not None else ""
+    return hashlib.sha256(f"{config_text}\0{where}".encode()).hexdigest()[:20]
 
 
 @dataclass
@@ -129,9 +146,11 @@ class FlowerExecutor:
 
     name = "flower"
 
-    def __init__(self, sim: Simulation, grid: Grid, cfg: Config, log_path: Path | None = None) -> None:
-        self.sim, self.cfg, self.log_path = sim, cfg, log_path
+    def __init__(self, sim: Simulation, grid: Grid, cfg: Config, out: Path | None = None) -> None:
+        self.sim, self.cfg = sim, cfg
+        self.log_path = out / ROUNDS_FILE if out is not None else None
         self.config_text = dump_config(cfg)
+        self.experiment = experiment_key(self.config_text, out)
         self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
         self.map.wait_all()
 
@@ -141,7 +160,8 @@ class FlowerExecutor:
         return ((r - 1) // every) * every if every else 0
 
     def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[int, Any]) -> Message:
-        content = RecordDict({"job": ConfigRecord({**job, "config": self.config_text})})
+        job = {**job, "config": self.config_text, "experiment": self.experiment}
+        content = RecordDict({"job": ConfigRecord(job)})
         for cid, payload in payloads.items():
             put_payload(content, f"p.{cid}", payload)
         return Message(content, dst_node_id=node, message_type=kind, ttl=self.cfg.engine.round_timeout)
@@ -215,12 +235,19 @@ class FlowerExecutor:
     ) -> dict[int, ClientOutcome]:
         """The outcomes of one node's clients: dropped (no reply), rejected (error reply, client not
         accepted on the node, or a non-finite upload) or accepted."""
-        if reply is None:
-            log.warning("round %d: no reply for clients %s within %.0f s: dropped", r, cids, self.map.timeout)
+        if reply is None or (reply.has_error() and reply.error.code in LOST):
+            why = f"within {self.map.timeout:.0f} s" if reply is None else f"({reply.error.reason})"
+            log.warning("round %d: no reply for clients %s %s: dropped", r, cids, why)
             return {c: ClientOutcome(cid=c, bytes_down=payloads[c].nbytes(), dropped=True) for c in cids}
         out = {c: ClientOutcome.received(c, payloads[c]) for c in cids}
-        if reply.has_error():
-            log.warning("round %d: clients %s rejected: node error %s", r, cids, reply.error.reason)
+        if reply.has_error():  # the ClientApp failed: the embedded engine's rule for a client that raises
+            what = f"round {r}: clients {cids} failed on their node: {reply.error.reason}".splitlines()[0]
+            policy = self.cfg.engine.on_client_error
+            if policy != "drop":
+                raise ClientError(
+                    f"{what}; the round was not committed (engine.on_client_error={policy}; {ALLOWED})"
+                )
+            log.warning("%s; the clients are dropped from the round", what)
             return out
         info = reply.content["job"]
         for cid, loss, n in zip(info["accepted"], info["loss"], info["samples"], strict=True):
@@ -289,20 +316,16 @@ class FlowerEvaluator:
         return summarize(per_client, loss, heads, torch.tensor(sizes))
 
 
-#: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
-ROUNDS_FILE = "flower_rounds.jsonl"
-
-
 def attach_flower(
     sim: Simulation,
     grid: Grid,
     cfg: Config,
     test_sizes: list[int],
     val_sizes: list[int],
-    log_path: Path | None = None,
+    out: Path | None = None,
 ) -> None:
     """Swap ``sim``'s executor and evaluator for the Flower ones; client states become node references."""
-    executor = FlowerExecutor(sim, grid, cfg, log_path)
+    executor = FlowerExecutor(sim, grid, cfg, out)
     sim.executor = executor
     sim.evaluator = FlowerEvaluator(sim.evaluator, executor, test_sizes, val_sizes)  # type: ignore[assignment]
     sim.initial_client_state = lambda cid: {REF_KEY: 0}
@@ -316,11 +339,11 @@ def serve(grid: Grid, cfg: Config, out: str | Path | None, resume: bool, force: 
     test_sizes = [int(t.numel()) for t in data.test_idx]
     val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
 
-    log_path = Path(out) / ROUNDS_FILE if out is not None else None
-    if force and log_path is not None:
-        log_path.unlink(missing_ok=True)
+    folder = Path(out) if out is not None else None
+    if force and folder is not None:
+        (folder / ROUNDS_FILE).unlink(missing_ok=True)
 
     def attach(sim: Simulation) -> None:
-        attach_flower(sim, grid, cfg, test_sizes, val_sizes, log_path)
+        attach_flower(sim, grid, cfg, test_sizes, val_sizes, folder)
 
     return run_experiment(cfg, out, resume=resume, force=force, data=data, attach=attach)
