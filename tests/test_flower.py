@@ -29,6 +29,7 @@ from fedskew.flower import require_flwr
 from fedskew.flower.node import load_version, prune, store_version
 from fedskew.flower.records import get_payload, put_payload, state_from_bytes, state_to_bytes
 from fedskew.flower.server import serve
+from fedskew.flower.versions import ContextVersions, DiskVersions, versions_of
 from tests.flower_loopback import LoopbackGrid
 from tests.test_contract import NAMES, tiny_config
 
@@ -155,20 +156,37 @@ class _Node:
             return {"v": torch.tensor(0.0)}
 
 
-def test_node_keeps_state_versions_until_no_resume_can_name_them():
+@pytest.mark.parametrize("where", ["context", "disk"])
+def test_node_keeps_state_versions_until_no_resume_can_name_them(where, tmp_path):
     ctx = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    store = ContextVersions(ctx) if where == "context" else DiskVersions(tmp_path / "exp")
     for r in (1, 3, 4):
-        store_version(ctx, 2, r, {"v": torch.tensor(float(r))})
-    assert float(load_version(_Node, ctx, 2, 3)["v"]) == 3.0
-    assert float(load_version(_Node, ctx, 2, 0)["v"]) == 0.0  # version 0: the initial state
+        store_version(store, 2, r, {"v": torch.tensor(float(r))})
+    assert float(load_version(_Node, store, 2, 3)["v"]) == 3.0
+    assert float(load_version(_Node, store, 2, 0)["v"]) == 0.0  # version 0: the initial state
     # a round-5 message references version 4 while the last checkpoint is round 4: versions 1 and 3 go
-    prune(ctx, 2, referenced=4, keep_from=4)
-    assert float(load_version(_Node, ctx, 2, 4)["v"]) == 4.0
-    assert float(load_version(_Node, ctx, 2, 3)["v"]) == 0.0  # gone: re-initialised, with a warning
+    prune(store, 2, referenced=4, keep_from=4)
+    assert float(load_version(_Node, store, 2, 4)["v"]) == 4.0
+    assert float(load_version(_Node, store, 2, 3)["v"]) == 0.0  # gone: re-initialised, with a warning
     # a reference newer than the last checkpoint keeps everything from the checkpoint's version on
-    store_version(ctx, 2, 6, {"v": torch.tensor(6.0)})
-    prune(ctx, 2, referenced=6, keep_from=5)
-    assert float(load_version(_Node, ctx, 2, 4)["v"]) == 4.0
+    store_version(store, 2, 6, {"v": torch.tensor(6.0)})
+    prune(store, 2, referenced=6, keep_from=5)
+    assert float(load_version(_Node, store, 2, 4)["v"]) == 4.0
+
+
+def test_a_node_state_dir_keeps_versions_across_flower_runs_per_experiment(tmp_path):
+    """Flower gives a new Context per run (a resumed experiment is a new run): with a ``state-dir`` the
+    versions are found again, and another experiment on the same node does not see them."""
+    config = {"state-dir": str(tmp_path / "states")}
+    first, second = (
+        Context(run_id=run, node_id=5, node_config=config, state=RecordDict(), run_config={})
+        for run in (1, 2)
+    )
+    store_version(versions_of(first, "exp-a"), 2, 3, {"v": torch.tensor(3.0)})
+    assert float(load_version(_Node, versions_of(second, "exp-a"), 2, 3)["v"]) == 3.0
+    assert float(load_version(_Node, versions_of(second, "exp-b"), 2, 3)["v"]) == 0.0  # not that one's
+    bare = Context(run_id=2, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    assert isinstance(versions_of(bare, "exp-a"), ContextVersions)
 
 
 def test_a_dead_node_is_dropped_for_the_round_and_rejoins_after_a_restart(tmp_path):
@@ -234,6 +252,8 @@ def test_a_node_flower_reports_unavailable_is_dropped_not_rejected(tmp_path):
     grid = LoopbackGrid(3)
 
     def unavailable(reply: Message) -> Message:
+        if reply.metadata.message_type != "train":  # the node answered the server's index query
+            return reply
         lost = Message(Error(ErrorCode.NODE_UNAVAILABLE, "no heartbeat"), reply_to=reply)
         lost.metadata.__dict__["_reply_to_message_id"] = reply.metadata.reply_to_message_id
         return lost

@@ -99,10 +99,13 @@ class NodeMap:
     timeout: float
     index: dict[int, int] = field(default_factory=dict)  # node index -> Flower node id
     known: set[int] = field(default_factory=set)
+    online: set[int] = field(default_factory=set)  # Flower lists only nodes whose heartbeat is current
 
     def refresh(self) -> None:
-        """Ask every node id not seen before for its index (a restarted node has a new id)."""
-        new = [n for n in self.grid.get_node_ids() if n not in self.known]
+        """Note which nodes are online, and ask every node id not seen before for its index (a restarted node
+        may have a new id)."""
+        self.online = set(self.grid.get_node_ids())
+        new = [n for n in self.online if n not in self.known]
         if not new:
             return
         query = {
@@ -125,7 +128,10 @@ class NodeMap:
             time.sleep(0.1 if len(self.index) < self.nodes else 0)
 
     def node_of(self, cid: int) -> int | None:
-        return self.index.get(cid % self.nodes)
+        """The online node serving client ``cid`` (None: its node is offline; the client is dropped at
+        once instead of waiting for a reply that cannot come)."""
+        node = self.index.get(cid % self.nodes)
+        return node if node in self.online else None
 
 
 _MAPS: dict[int, NodeMap] = {}
@@ -278,7 +284,9 @@ class FlowerEvaluator:
             return self.local.evaluate(server, state_of, round_idx)  # one global model: the server scores it
         alg, seed, ex = self.local.algorithm, self.local.seed, self.ex
         cids = list(range(len(self.test_sizes)))
-        groups, _ = ex.by_node(cids)
+        groups, missing = ex.by_node(cids)
+        if missing:
+            raise FedskewError(f"round {round_idx}: the nodes of clients {missing} are offline: no evaluation")
         messages = {
             node: ex.message(
                 node,

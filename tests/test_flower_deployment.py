@@ -1,0 +1,144 @@
+"""fedskew on a real Flower deployment: one SuperLink serving over TLS with SuperNode authentication and 3
+authenticated SuperNodes, Flower's own processes on loopback (ports chosen free at run time, every process
+reaped at the end, also when a test fails). On it: the embedded engine's metrics within 1e-5 (FedAvg, and
+FedProto with heterogeneous models whose personal state lives on the nodes), an unregistered node refused,
+a SuperNode SIGKILLed mid-round (its clients dropped for that round; restarted, it serves again) and a
+ServerApp SIGKILLed mid-run and resumed with ``resume=true`` from its checkpoint (SCAFFOLD: the clients'
+control variates come back from the nodes' state folders).
+
+The tests share the deployment, so they run on one pytest-xdist worker (``--dist loadgroup``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedskew.experiment.config import build_config, load_config
+from fedskew.experiment.runner import run_experiment
+from fedskew.flower.apps import Job
+from fedskew.flower.deploy import LocalDeployment, deployment_pids
+from tests.flower_keys import write_node_key, write_tls
+from tests.test_flower import assert_same_metrics, embedded, flower_config, records
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower-deployment")]
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE = 600.0  # seconds any one Flower run of these tests may take
+
+
+class Federation:
+    """The shared deployment and the key of a node that was never registered."""
+
+    def __init__(self, dep: LocalDeployment, intruder_key: Path) -> None:
+        self.dep, self.intruder_key = dep, intruder_key
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    folder = tmp_path_factory.mktemp("federation")
+    tls = write_tls(folder)
+    keys = {i: write_node_key(folder, f"node{i}") for i in range(4)}
+    registered = [keys[i].with_name(f"node{i}.pub") for i in range(3)]  # node key 3 is not registered
+    with LocalDeployment(3, tls=tls, node_keys={i: keys[i] for i in range(3)}, registered=registered) as dep:
+        yield Federation(dep, keys[3])
+
+
+def _job(raw: dict, out: Path, resume: bool = False) -> Job:
+    cfg = build_config({**raw, "engine": {**raw["engine"], "runtime": "flower-deployment"}})
+    return Job(cfg, out, resume)
+
+
+def _lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_for_round(dep: LocalDeployment, run_id: int, out: Path, n: int) -> None:
+    """Block until ``out/metrics.jsonl`` holds ``n`` rounds (the run must still be going)."""
+    end = time.monotonic() + DEADLINE
+    while _lines(out) < n:
+        status, details = dep.status(run_id)
+        assert not status.startswith("finished"), f"run {run_id} {status} before round {n}: {details}"
+        assert time.monotonic() < end, f"round {n} not reached within {DEADLINE} s"
+        time.sleep(0.2)
+
+
+def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_unregistered_node(
+    federation, tmp_path
+):
+    dep = federation.dep
+    intruder = dep.start_node(0, name="intruder", key=federation.intruder_key)  # claims node 0's clients
+    try:
+        digits = load_config(ROOT / "configs/fedavg/digits-flower.yaml", ["rounds=2"])
+        fedproto = _job(flower_config("fedproto", rounds=1), tmp_path / "fedproto")
+        summaries = dep.run([Job(digits, tmp_path / "digits"), fedproto])
+        refused = dep.tail("intruder", 400)
+        assert intruder.poll() != 0  # still retrying (None) or given up (exit 1 or Flower's 305)
+        assert "SuperNode ID" not in refused and "Connection attempt failed" in refused
+        assert all("SuperNode ID" in dep.tail(f"supernode-{i}", 400) for i in range(3))
+    finally:
+        dep.kill("intruder", signal.SIGKILL)
+    raw = digits.to_dict()
+    local = build_config({**raw, "engine": {**raw["engine"], "runtime": "embedded"}})
+    reference = run_experiment(local, tmp_path / "digits-embedded")
+    got = summaries[0]
+    assert got["final"] == pytest.approx(reference["final"], abs=1e-5)
+    assert (got["bytes_up"], got["bytes_down"]) == (reference["bytes_up"], reference["bytes_down"])
+    assert_same_metrics(records(tmp_path / "digits"), records(tmp_path / "digits-embedded"))
+    fedproto_reference = embedded(flower_config("fedproto", 1), tmp_path / "e")
+    assert_same_metrics(records(tmp_path / "fedproto"), fedproto_reference)
+
+
+def test_a_supernode_killed_mid_round_loses_its_clients_for_the_round_and_serves_again_after_a_restart(
+    federation, tmp_path
+):
+    dep, out = federation.dep, tmp_path / "out"
+    raw = flower_config("fedavg", rounds=4, round_timeout=120)
+    raw["client"]["fraction"] = 1.0
+    run_id = dep.submit([_job(raw, out)])
+    _wait_for_round(dep, run_id, out, 1)
+    dep.kill("supernode-1", signal.SIGKILL)  # round 2's message is on its way: the node dies with it
+    _wait_for_round(dep, run_id, out, 2)
+    dep.start_node(1)  # same key, same Flower node id: it serves again once its heartbeat is current
+    dep.wait(run_id, timeout=DEADLINE)
+    recs = records(out)
+    assert "dropped" not in recs[0] and recs[1]["dropped"] == [1, 4] and recs[1]["rejected"] == 0
+    assert set(recs[2].get("dropped", [])) <= {1, 4}  # round 3 may start before the node is back online
+    assert "dropped" not in recs[3] and recs[3]["round_bytes_up"] == recs[0]["round_bytes_up"]
+
+
+def _server_apps(dep: LocalDeployment) -> list[int]:
+    pids = []
+    for pid in deployment_pids(dep.home):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"flwr-serverapp" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def test_a_server_app_killed_mid_run_resumes_from_its_checkpoint_with_the_clients_states(
+    federation, tmp_path
+):
+    dep, out = federation.dep, tmp_path / "out"
+    raw = flower_config("scaffold", rounds=3)
+    raw["checkpoint"] = {"every": 1}
+    reference = embedded(raw, tmp_path / "e")
+    run_id = dep.submit([_job(raw, out)])
+    _wait_for_round(dep, run_id, out, 2)
+    victims = _server_apps(dep)
+    assert victims, "no ServerApp process found"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)  # round 3 is being trained on the nodes
+    dep.run([_job(raw, out, resume=True)])  # a new Flower run; the nodes' state folders keep the variates
+    assert_same_metrics(records(out), reference)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
