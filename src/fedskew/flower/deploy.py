@@ -9,6 +9,7 @@ time. ``FLWR_HOME`` is a private temporary folder (Flower's config, installed ap
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -250,7 +251,9 @@ class LocalDeployment:
         saved = os.environ.get("FLWR_HOME")
         os.environ["FLWR_HOME"] = str(self.home)
         try:
-            client = init_http_client_from_connection(read_superlink_connection("local"))
+            with contextlib.redirect_stdout(io.StringIO()):  # Flower prints "Using SuperLink: ..." each time
+                connection = read_superlink_connection("local")
+            client = init_http_client_from_connection(connection)
             try:
                 res = client.ListRuns(ListRunsRequest(run_id=run_id))
             finally:

@@ -286,7 +286,7 @@ class FlowerEvaluator:
         cids = list(range(len(self.test_sizes)))
         groups, missing = ex.by_node(cids)
         if missing:
-            raise FedskewError(f"round {round_idx}: the nodes of clients {missing} are offline: no evaluation")
+            raise FedskewError(f"round {round_idx}: clients {missing} have no online node to evaluate them")
         messages = {
             node: ex.message(
                 node,
