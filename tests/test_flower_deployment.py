@@ -6,7 +6,8 @@ a SuperNode SIGKILLed mid-round (its clients dropped for that round; restarted, 
 ServerApp SIGKILLed mid-run and resumed with ``resume=true`` from its checkpoint (SCAFFOLD: the clients'
 control variates come back from the nodes' state folders).
 
-The tests share the deployment, so they run on one pytest-xdist worker (``--dist loadgroup``)."""
+The tests share the deployment, so they must run on one pytest-xdist worker: ``make test`` distributes
+tests by file (``--dist loadfile``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from fedskew.flower.deploy import LocalDeployment, deployment_pids
 from tests.flower_keys import write_node_key, write_tls
 from tests.test_flower import assert_same_metrics, embedded, flower_config, records
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower-deployment")]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 600.0  # seconds any one Flower run of these tests may take
 
