@@ -16,6 +16,15 @@ from fedskew.settings import ClientSection
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
 
 
+#: test files that take minutes mostly waiting on other processes: collected first, so that under
+#: ``pytest -n 2 --dist loadfile`` one worker starts them while the other runs the rest of the suite
+FIRST = ("test_flower_deployment.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
+
 def data_root() -> Path | None:
     root = os.environ.get("FEDSKEW_DATA")
     return Path(root) if root else None
