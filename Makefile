@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not flower_runtime" tests
+	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
 
 # Flower's real runtimes (Ray simulation, a loopback deployment with TLS): ~5 minutes of process start-ups
 test-flower: $(STAMP)
@@ -31,7 +31,7 @@ test-flower: $(STAMP)
 
 # the edit loop: everything but the tests marked slow (subprocesses, end-to-end learning, mode parity)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow" tests
+	$(BIN)/python -m pytest -n 2 -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
