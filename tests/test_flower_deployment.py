@@ -6,7 +6,7 @@ a SuperNode SIGKILLed mid-round (its clients dropped for that round; restarted, 
 ServerApp SIGKILLed mid-run and resumed with ``resume=true`` from its checkpoint (SCAFFOLD: the clients'
 control variates come back from the nodes' state folders).
 
-The tests share the deployment: tests/conftest.py collects this file first, so that ``pytest -n 2`` sends
+The tests share the deployment: tests/conftest.py collects this file first, so that ``pytest -n 3`` sends
 all three to the first worker in its first chunk (a second worker would start a deployment of its own)."""
 
 from __future__ import annotations
