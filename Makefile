@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -n 3 -m "not flower_runtime" tests
+	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
 
 # Flower's real runtimes (Ray simulation, a loopback deployment with TLS): ~5 minutes of process start-ups
 test-flower: $(STAMP)

@@ -6,8 +6,10 @@ a SuperNode SIGKILLed mid-round (its clients dropped for that round; restarted, 
 ServerApp SIGKILLed mid-run and resumed with ``resume=true`` from its checkpoint (SCAFFOLD: the clients'
 control variates come back from the nodes' state folders).
 
-The tests share the deployment: tests/conftest.py collects this file first, so that ``pytest -n 3`` sends
-all three to the first worker in its first chunk (a second worker would start a deployment of its own)."""
+Run by ``make test-flower`` (not by ``make test``: with these tests the suite took 11–13 minutes on 2
+cores, since Flower's SuperLink and SuperNodes poll continuously and take about a core between them). The
+tests share the deployment: tests/conftest.py collects this file first, so that ``pytest -n 2`` sends all
+three to the first worker in its first chunk (a second worker would start a deployment of its own)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from fedskew.flower.deploy import LocalDeployment, deployment_pids
 from tests.flower_keys import write_node_key, write_tls
 from tests.test_flower import assert_same_metrics, embedded, flower_config, records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.flower_runtime]
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 600.0  # seconds any one Flower run of these tests may take
 
