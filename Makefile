@@ -25,7 +25,8 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
 
-# Flower's real runtimes (Ray simulation, a loopback deployment with TLS): ~5 minutes of process start-ups
+# Flower's Ray simulation of the listed methods and the CLI's loopback deployment (~3 minutes of start-ups);
+# the TLS + authentication deployment tests (node kill, ServerApp resume) run in `make test`
 test-flower: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -m flower_runtime tests
 

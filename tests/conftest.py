@@ -17,7 +17,7 @@ torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
 
 
 #: test files that take minutes mostly waiting on other processes: collected first, so that under
-#: ``pytest -n 2`` (``make test-flower``) the first worker's first chunk of tests holds them all (one shared
+#: ``pytest -n 2`` (``make test``) the first worker's first chunk of tests holds them all (one shared
 #: Flower deployment) while the other workers run the rest of the suite
 FIRST = ("test_flower_deployment.py",)
 

@@ -496,3 +496,22 @@ def test_known_files_table_is_well_formed():
                     algo, hexd = d.split(":")
                     assert len(hexd) == {"md5": 32, "sha256": 64}[algo]
         assert spec.downloadable
+
+
+def test_digits_split_is_cached_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    from sklearn.datasets import load_digits
+
+    monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path))
+    first = ds.digits(test_size=300, split_seed=3)
+    (cached,) = list(tmp_path.glob("digits-*-300-3.pt"))
+    again = ds.digits(test_size=300, split_seed=3)
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(first, name), getattr(again, name))
+    assert (len(first.y_train), len(first.y_test)) == (1797 - 300, 300)
+    # stratified: every class keeps its share of the test set within one sample
+    counts = np.bincount(load_digits().target, minlength=10)
+    assert np.all(np.abs(np.bincount(first.y_test.numpy(), minlength=10) - counts * 300 / 1797) <= 1)
+    cached.write_bytes(b"not a torch file")
+    rebuilt = ds.digits(test_size=300, split_seed=3)
+    assert torch.equal(rebuilt.x_test, first.x_test)
+    assert cached.stat().st_size > 1000

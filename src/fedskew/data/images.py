@@ -7,10 +7,8 @@ decoded once; a changed file changes the key, and an unreadable cache file is re
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedskew.data.cache import load_saved, save_atomic
 from fedskew.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
@@ -132,27 +131,9 @@ def listing_key(paths: Sequence[Path], *options: object) -> str:
 
 
 def _load_cache(path: Path, n: int, mode: str) -> Tensor | None:
-    try:
-        x = torch.load(path, weights_only=True)
-    except Exception:  # truncated, corrupted or foreign file: rebuild it (any unpickling error)
-        return None
+    x = load_saved(path)
     ok = isinstance(x, Tensor) and x.dtype == torch.uint8 and x.dim() == 4
     return x if ok and x.shape[0] == n and x.shape[1] == CHANNELS[mode] else None
-
-
-def _save_cache(path: Path, x: Tensor) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".images-", suffix=".tmp")
-    except OSError:
-        return  # read-only data root: run without a cache
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(x, f)
-        os.replace(tmp, path)  # write-then-rename: concurrent loaders never read half a file
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
 
 def cached_images(
@@ -167,9 +148,9 @@ def cached_images(
     mode = mode or choose_mode(modes)
     shape = common_shape(shapes, size, dataset)
     cache = None if cache_dir is None else cache_dir / f"{dataset}-{listing_key(paths, size, mode)}.pt"
-    if cache is not None and cache.is_file() and (hit := _load_cache(cache, len(paths), mode)) is not None:
+    if cache is not None and (hit := _load_cache(cache, len(paths), mode)) is not None:
         return hit, mode
     x = torch.from_numpy(stack(len(paths), shape, mode, lambda i: decode(paths[i], mode, size)))
     if cache is not None:
-        _save_cache(cache, x)
+        save_atomic(cache, x)
     return x, mode

@@ -35,6 +35,7 @@ from fedskew.algorithms.base import (
     load_state,
 )
 from fedskew.engine.runtime import ClientRuntime
+from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
 from fedskew.errors import RunFailure
 from fedskew.seeding import derive_seed, seed_torch
@@ -157,14 +158,14 @@ def run_phases(
                 p.requires_grad_(phase.trainable is None or phase.trainable(name))
             momentum = cfg.momentum if phase.momentum is None else phase.momentum
             lr = phase.lr * client.lr_scale
-            opt = torch.optim.SGD(train, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
+            opt = SGD(train, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
             for epoch in range(phase.epochs):
                 last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
                 total, count = torch.zeros((), device=view.x.device), 0
                 for idx in epoch_batches(view.num_samples, cfg.batch_size, client.generator, view.x.device):
                     batch = Batch(view.x[idx], view.y[idx], epoch=epoch, last_epoch=last)
                     loss = algorithm.local_loss(model, batch, client.payload, state, client.scratch)
-                    opt.zero_grad(set_to_none=True)
+                    opt.zero_grad()
                     loss.backward()
                     opt.step()
                     total += loss.detach() * idx.numel()

@@ -241,6 +241,11 @@ class LocalDeployment:
         text = self.flwr(["run", str(APP_DIR), "local", "--run-config", overrides, "--format", "json"])
         return int(json.loads(text[text.index("{") :])["run-id"])
 
+    def stop(self, run_id: int) -> None:
+        """``flwr stop``: mark the run stopped now. A run whose ServerApp died is otherwise marked failed only
+        when its heartbeat lapses (about a minute), and until then the nodes hold the run's last message."""
+        self.flwr(["stop", str(run_id), "local"])
+
     def status(self, run_id: int) -> tuple[str, str]:
         """``(status, details)`` of a run, asked through Flower's Control API client."""
         from flwr.cli.flower_config import read_superlink_connection
@@ -267,7 +272,7 @@ class LocalDeployment:
         full = f"{st.status}:{st.sub_status}" if st.sub_status else st.status
         return full, st.details
 
-    def wait(self, run_id: int, timeout: float | None = None, poll: float = 0.5) -> None:
+    def wait(self, run_id: int, timeout: float | None = None, poll: float = 1.0) -> None:
         """Block until the run finished; raise unless it completed."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:

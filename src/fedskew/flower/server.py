@@ -51,7 +51,9 @@ LOST = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, Erro
 #: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
 ROUNDS_FILE = "flower_rounds.jsonl"
 REF_KEY = "flower.version"  # the only entry of a client state the server keeps: the node's version number
-POLL_SECONDS = 0.02
+#: the ServerApp's reply polling: from ``POLL_SECONDS[0]``, growing 1.5x per empty poll up to ``[1]``, so a
+#: fast round (the simulation) is seen at once and a slow one (a deployment) costs the SuperLink little CPU
+POLL_SECONDS = (0.01, 0.25)
 
 
 def ref_of(state: State) -> int:
@@ -72,14 +74,17 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[i
     ids = list(grid.push_messages([messages[n] for n in nodes]))
     pending = dict(zip(ids, nodes, strict=True))
     replies: dict[int, Message] = {}
-    end = time.monotonic() + timeout
+    end, delay = time.monotonic() + timeout, POLL_SECONDS[0]
     while pending and time.monotonic() < end:
+        arrived = 0
         for reply in grid.pull_messages(list(pending)):
             node = pending.pop(reply.metadata.reply_to_message_id, None)
             if node is not None:
                 replies[node] = reply
+                arrived += 1
+        delay = POLL_SECONDS[0] if arrived else min(delay * 1.5, POLL_SECONDS[1])
         if pending:
-            time.sleep(POLL_SECONDS)
+            time.sleep(min(delay, max(end - time.monotonic(), 0.0)))
     return replies
 
 
