@@ -38,6 +38,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 bench: $(STAMP)
+	# the peers engine_speed.py compares against, side by side in one run: Flower (Ray) and pfl
+	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
 	$(BIN)/python benchmarks/run_all.py $(if $(QUICK),--quick,)
 
 clean:

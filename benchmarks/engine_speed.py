@@ -5,7 +5,11 @@ Workloads (MNIST under ``$FEDSKEW_DATA``):
 * W1: FedAvg, ``cnn_mnist``, 20 clients Dirichlet(0.5), 1 epoch, batch 32, all clients every round;
 * W2: FedProto, ``nway_kshot`` n=3 (k=100, stdev 2), 20 clients, ``cnn_fedproto``, batch 8;
 * W3: FedAvg, ``mlp_mpfedcl``, 1,000 clients (Dirichlet 0.5), 10% per round, batch 32; plus the round time
-  at 50 / 100 / 200 participating clients (how it grows).
+  at 50 / 100 / 200 participating clients (how it grows);
+* W4 (cross-device scale): FedAvg, ``mlp_mpfedcl``, 10,000 clients (Dirichlet 0.1, ``min_size: 0``, so many
+  clients hold a handful of images or none), 100 per round, batch 32; plus two scaling curves
+  (``--scaling``): seconds per round against participating clients (10 → 1,000 of 10,000) and against total
+  clients (1,000 → 100,000 at 100 per round), plotted log-log to ``docs/img/engine_w4_scaling.png``.
 
 Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``vectorized+workers``,
 ``auto``) each run is a fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest
@@ -14,11 +18,14 @@ worker). Reported:
 ``seconds_per_round_eval`` (the engine's default evaluation on: the global 10k test set every round),
 ``samples_per_second``, ``ceiling_fraction`` (training GFLOP/s against the faster of the ``mm`` and 1x1-conv
 GEMM ceilings, measured in the same process) and ``flower_seconds_per_round`` (Flower, evaluation off, and
-``flower_seconds_per_round_eval`` with its default federated evaluation on every sampled client).
+``flower_seconds_per_round_eval`` with its default federated evaluation on every sampled client), and the
+same for Apple's ``pfl`` (``pfl_peer.py``: its FedAvg over a ``SimulatedBackend``, one worker process per
+CPU; evaluation on = its central evaluation of the test set).
 
     python benchmarks/engine_speed.py                 # all workloads, 3 timed rounds
     python benchmarks/engine_speed.py --quick         # 1 timed round, 10% of each client's data (W1, W2)
-    python benchmarks/engine_speed.py --workloads W2 --no-flower
+    python benchmarks/engine_speed.py --workloads W2 --no-flower --no-pfl
+    python benchmarks/engine_speed.py --workloads W4 --modes auto --scaling
     python benchmarks/engine_speed.py --device cuda   # the default when a GPU is present; both sides on it
 
 On a GPU the results go to ``engine_<workload>[_quick]_cuda.json`` (with ``peak_gpu_bytes``); workers run
@@ -52,7 +59,9 @@ from round_speed import gemm_ceilings, shrink, train_flops_per_sample  # noqa: E
 MODES = ["sequential", "workers", "vectorized", "vectorized+workers", "auto"]
 
 
-def workload_config(name: str, participating: int | None = None) -> dict[str, Any]:
+def workload_config(
+    name: str, participating: int | None = None, total_clients: int | None = None
+) -> dict[str, Any]:
     base: dict[str, Any] = {"seed": 0, "rounds": 100, "checkpoint": {"every": 0}, "eval": {"every": 1}}
     if name == "W1":
         base.update(
@@ -74,20 +83,22 @@ def workload_config(name: str, participating: int | None = None) -> dict[str, An
             client={"epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.5},
             eval={"protocol": "personalized", "every": 1},
         )
-    elif name == "W3":
-        frac = (participating or 100) / 1000
+    elif name in ("W3", "W4"):
+        total = total_clients or (1000 if name == "W3" else 10_000)
+        frac = (participating or 100) / total
+        alpha, min_size = (0.5, 10) if name == "W3" else (0.1, 0)
         base.update(
             data={
                 "dataset": "mnist",
-                "num_clients": 1000,
-                "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
+                "num_clients": total,
+                "partition": {"name": "dirichlet", "alpha": alpha, "min_size": min_size},
             },
             model={"name": "mlp_mpfedcl"},
             algorithm={"name": "fedavg"},
             client={"epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.5, "fraction": frac},
         )
     else:
-        raise SystemExit(f"unknown workload {name!r}; allowed: W1, W2, W3")
+        raise SystemExit(f"unknown workload {name!r}; allowed: W1, W2, W3, W4")
     return base
 
 
@@ -111,14 +122,23 @@ def _timed(sim: Any, rounds: int, evaluate: bool) -> float:
     return statistics.median(times)
 
 
+SHRUNK_WHEN_QUICK = ("W1", "W2")  # W3 / W4 clients are already small
+
+
 def measure_one(
-    workload: str, mode: str, rounds: int, quick: bool, participating: int | None, device: str = "cpu"
+    workload: str,
+    mode: str,
+    rounds: int,
+    quick: bool,
+    participating: int | None,
+    device: str = "cpu",
+    total_clients: int | None = None,
 ) -> dict[str, Any]:
     """One (workload, mode) in this process: timings, throughput, ceiling fraction, peak RSS (and peak GPU
     memory on a GPU)."""
-    cfg = build_config(_with_mode(workload_config(workload, participating), mode, device))
+    cfg = build_config(_with_mode(workload_config(workload, participating, total_clients), mode, device))
     fd = build_data(cfg)
-    if quick and workload != "W3":
+    if quick and workload in SHRUNK_WHEN_QUICK:
         shrink(fd, 0.1)
     sim = build_simulation(cfg, fd)
     try:
@@ -141,6 +161,7 @@ def measure_one(
         "mode": mode,
         "resolved": resolved,
         "participating": len(sim.schedule[0]),
+        "total_clients": cfg.data.num_clients,
         "seconds_per_round": off,
         "seconds_per_round_eval": on,
         "samples_per_second": per_round / off,
@@ -154,12 +175,17 @@ def measure_one(
 
 
 def write_bundle(
-    workload: str, quick: bool, path: Path, participating: int | None, device: str = "cpu"
+    workload: str,
+    quick: bool,
+    path: Path,
+    participating: int | None,
+    device: str = "cpu",
+    total_clients: int | None = None,
 ) -> dict[str, Any]:
-    """The workload's tensors, partition and settings for the Flower side (same data, model, hyper-params)."""
-    cfg = build_config(workload_config(workload, participating))
+    """The workload's tensors, partition and settings for the peers (same data, model, hyper-params)."""
+    cfg = build_config(workload_config(workload, participating, total_clients))
     fd = build_data(cfg)
-    if quick and workload != "W3":
+    if quick and workload in SHRUNK_WHEN_QUICK:
         shrink(fd, 0.1)
     ds = fd.dataset
     n = len(fd.train_idx)
@@ -199,63 +225,140 @@ def run_subprocess(args: list[str]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def _flower(path: Path, rounds: int, evaluate: bool, bundle: dict, device: str) -> float:
+    from flower_peer import flower_seconds_per_round
+
+    cpus = os.cpu_count() or 1
+    return flower_seconds_per_round(path, rounds, evaluate, bundle["num_clients"], cpus, device)
+
+
+def _pfl(path: Path, rounds: int, evaluate: bool, bundle: dict, device: str) -> float:
+    from pfl_peer import pfl_seconds_per_round
+
+    # pfl's distributed simulation is one process per device: one per CPU, or one on a single GPU
+    workers = 1 if device.startswith("cuda") else os.cpu_count() or 1
+    return pfl_seconds_per_round(path, rounds, evaluate, workers)
+
+
+PEERS = {"flower": _flower, "pfl": _pfl}
+W4_PARTICIPATING = (10, 30, 100, 300, 1000)  # of 10,000 clients
+W4_TOTAL = (1000, 3000, 10_000, 30_000, 100_000)  # at 100 per round
+
+
+def measure_peer(peer: str, workload: str, rounds: int, quick: bool, device: str) -> dict[str, float]:
+    """The peer's median seconds per round, evaluation off and on, on the workload's bundle."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bundle.pt"
+        bundle = write_bundle(workload, quick, path, None, device)
+        timed = PEERS[peer]
+        return {
+            f"{peer}_seconds_per_round": timed(path, rounds + 1, False, bundle, device),
+            f"{peer}_seconds_per_round_eval": timed(path, rounds + 1, True, bundle, device),
+        }
+
+
+def scaling_runs(workload: str, extra: list[str]) -> list[dict]:
+    """W3: the round time at 50 / 100 / 200 participants; W4: both scaling curves (``--scaling``)."""
+    points: list[tuple[int, int | None]] = []
+    if workload == "W3":
+        points = [(k, None) for k in (50, 100, 200)]
+    elif workload == "W4":
+        points = [(k, 10_000) for k in W4_PARTICIPATING] + [(100, n) for n in W4_TOTAL if n != 10_000]
+    args = [["--participating", str(k)] + (["--total", str(n)] if n else []) for k, n in points]
+    return [run_subprocess(["--one", workload, "auto", *a, *extra]) for a in args]
+
+
+def plot_w4_scaling(scaling: list[dict], out_dir: Path) -> list[Path]:
+    """Two log-log plots: seconds per round against participating clients (of 10,000) and against total
+    clients (100 per round), each with the linear / flat reference line through the 100-of-10,000 point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref = next(s for s in scaling if s["participating"] == 100 and s["total_clients"] == 10_000)
+    panels = [
+        ("participants", "participating clients per round (of 10,000)", "total_clients", 10_000),
+        ("total", "total clients (100 per round)", "participating", 100),
+    ]
+    paths = []
+    for name, xlabel, fixed_key, fixed in panels:
+        key = "participating" if name == "participants" else "total_clients"
+        pts = sorted((s[key], s["seconds_per_round"]) for s in scaling if s[fixed_key] == fixed)
+        xs, ys = zip(*pts, strict=True)
+        fig, ax = plt.subplots(figsize=(4.5, 3.4))
+        ax.loglog(xs, ys, "o-", label=f"fedskew ({scaling[0]['resolved']})")
+        slope = 1.0 if name == "participants" else 0.0
+        ax.loglog(
+            xs,
+            [ref["seconds_per_round"] * (x / ref[key]) ** slope for x in xs],
+            "k--",
+            lw=0.8,
+            label="linear" if slope else "flat",
+        )
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("seconds per round")
+        ax.set_title("W4: FedAvg, MLP, MNIST Dir(0.1)", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"engine_w4_{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 timed round; 10%% of each client's data (W1, W2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode")
-    ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3"])
+    ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4"])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower side")
+    ap.add_argument("--no-pfl", action="store_true", help="skip the pfl side")
+    ap.add_argument("--scaling", action="store_true", help="W4's two scaling curves (9 more runs) and plots")
     ap.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="engine.device of every run and of the Flower clients (default: cuda when present)",
+        help="engine.device of every run and of the peers' clients (default: cuda when present)",
     )
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
-    ap.add_argument("--flower", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    ap.add_argument("--peer", nargs=2, metavar=("PEER", "WORKLOAD"), help=argparse.SUPPRESS)
     ap.add_argument("--participating", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--total", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     if args.one:
-        one = measure_one(args.one[0], args.one[1], rounds, args.quick, args.participating, args.device)
+        one = measure_one(
+            args.one[0], args.one[1], rounds, args.quick, args.participating, args.device, args.total
+        )
         print(json.dumps(one))
         return
-    if args.flower:
-        from flower_peer import flower_seconds_per_round
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "bundle.pt"
-            b = write_bundle(args.flower, args.quick, path, args.participating, args.device)
-            cpus = os.cpu_count() or 1
-            res = {
-                "flower_seconds_per_round": flower_seconds_per_round(
-                    path, rounds + 1, False, b["num_clients"], cpus, args.device
-                )
-            }
-            res["flower_seconds_per_round_eval"] = flower_seconds_per_round(
-                path, rounds + 1, True, b["num_clients"], cpus, args.device
-            )
-        print(json.dumps(res))
+    if args.peer:
+        print(json.dumps(measure_peer(args.peer[0], args.peer[1], rounds, args.quick, args.device)))
         return
     extra = ["--quick"] if args.quick else []
     extra += ["--rounds", str(rounds), "--device", args.device]
+    peers = [p for p in PEERS if not getattr(args, f"no_{p}")]
     for workload in args.workloads:
         rows = [run_subprocess(["--one", workload, mode, *extra]) for mode in args.modes]
-        flower: dict[str, Any] = {}
-        if not args.no_flower:
+        measured: dict[str, Any] = {}
+        for peer in peers:
             try:
-                flower = run_subprocess(["--flower", workload, *extra])
+                measured.update(run_subprocess(["--peer", peer, workload, *extra]))
             except RuntimeError as err:
-                print(f"{workload}: Flower side failed ({str(err).splitlines()[0]})")
-        scaling = []
-        if workload == "W3":
-            for k in (50, 100, 200):
-                scaling.append(run_subprocess(["--one", "W3", "auto", "--participating", str(k), *extra]))
-        report(workload, rows, flower, scaling, args.quick, args.device)
+                print(f"{workload}: {peer} side failed ({str(err).splitlines()[0]})")
+        scaling = (
+            scaling_runs(workload, extra) if workload == "W3" or (workload == "W4" and args.scaling) else []
+        )
+        report(workload, rows, measured, scaling, args.quick, args.device)
+        if workload == "W4" and scaling:
+            for path in plot_w4_scaling(scaling, HERE.parent / "docs" / "img"):
+                print(f"wrote {path}")
 
 
 def report(
-    workload: str, rows: list[dict], flower: dict, scaling: list[dict], quick: bool, device: str = "cpu"
+    workload: str, rows: list[dict], peers: dict, scaling: list[dict], quick: bool, device: str = "cpu"
 ) -> None:
     head = (
         f"{'mode':<20}{'ran as':<20}{'s/round':>9}{'eval on':>9}{'samples/s':>11}{'ceil':>7}{'peak RSS':>10}"
@@ -269,19 +372,22 @@ def report(
             f"{r['seconds_per_round_eval']:>9.3f}{r['samples_per_second']:>11.0f}"
             f"{100 * r['ceiling_fraction']:>6.1f}%{r['peak_rss_bytes'] / 2**30:>9.2f}G"
         )
-    if flower:
-        best = min(rows, key=lambda r: r["seconds_per_round"])
-        best_eval = min(rows, key=lambda r: r["seconds_per_round_eval"])
-        f_off, f_on = flower["flower_seconds_per_round"], flower["flower_seconds_per_round_eval"]
-        print(f"{'flower':<40}{f_off:>9.3f}{f_on:>9.3f}")
+    best = min(rows, key=lambda r: r["seconds_per_round"])
+    best_eval = min(rows, key=lambda r: r["seconds_per_round_eval"])
+    for peer in PEERS:
+        if f"{peer}_seconds_per_round" not in peers:
+            continue
+        p_off, p_on = peers[f"{peer}_seconds_per_round"], peers[f"{peer}_seconds_per_round_eval"]
+        print(f"{peer:<40}{p_off:>9.3f}{p_on:>9.3f}")
         print(
-            f"speed-up vs Flower: {f_off / best['seconds_per_round']:.2f}x eval off ({best['mode']}), "
-            f"{f_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
+            f"speed-up vs {peer}: {p_off / best['seconds_per_round']:.2f}x eval off ({best['mode']}), "
+            f"{p_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
         )
     for s in scaling:
         print(
-            f"W3 with {s['participating']:>4} clients per round: {s['seconds_per_round']:.3f} s "
-            f"({s['seconds_per_round'] / s['participating'] * 1000:.1f} ms per client, {s['resolved']})"
+            f"{workload} with {s['participating']:>5} of {s['total_clients']:>6} clients per round: "
+            f"{s['seconds_per_round']:.3f} s ({1000 * s['seconds_per_round'] / s['participating']:.2f} ms a "
+            f"client, {s['resolved']}, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB)"
         )
     RESULTS.mkdir(exist_ok=True)
     gpu = "" if device == "cpu" else "_" + device.replace(":", "")
@@ -289,7 +395,7 @@ def report(
     payload = {
         "workload": workload,
         "modes": rows,
-        **flower,
+        **peers,
         "scaling": scaling,
         "quick": quick,
         "cpus": os.cpu_count(),

@@ -17,7 +17,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shortened version of each benchmark")
     args = ap.parse_args()
-    skip = ("run_all.py", "__init__.py", "flower_peer.py")  # flower_peer.py is a module of engine_speed.py
+    skip = (
+        "run_all.py",
+        "__init__.py",
+        "flower_peer.py",
+        "pfl_peer.py",
+    )  # the peers are modules of engine_speed.py
     scripts = sorted(p for p in HERE.glob("*.py") if p.name not in skip)
     failed = []
     for script in scripts:

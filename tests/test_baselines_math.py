@@ -241,6 +241,17 @@ def test_fedavg_sample_weighted_average(ctx: Context) -> None:
         assert_unchanged(u.payload.arrays, b)
 
 
+def test_fedavg_uploads_without_data(ctx: Context) -> None:
+    """Clients without data (``min_size: 0`` partitions) get weight 0; a round of only such clients averages
+    their uploads equally (each is the model it was sent) instead of dividing by zero."""
+    alg = make("fedavg", ctx)
+    server = alg.init_server(Tiny())
+    mixed = [upload(0, 0, const_state(9.0, 9.0)), upload(1, 2, const_state(3.0, 4.0))]
+    assert_params(alg.aggregate(server, mixed, info(1))["weights"], 3.0)
+    empty = [upload(0, 0, const_state(2.0, 2.0)), upload(1, 0, const_state(4.0, 4.0))]
+    assert_params(alg.aggregate(server, empty, info(1))["weights"], 3.0)
+
+
 # ---------------------------------------------------------------------------------------------- FedProx
 def test_fedprox_proximal_gradient_is_mu_times_distance(ctx: Context) -> None:
     alg = make("fedprox", ctx, mu=0.3)

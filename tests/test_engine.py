@@ -106,6 +106,34 @@ def test_personalized_evaluation_matches_direct_computation():
     assert rec["accuracy_clients"] == pytest.approx(accs, abs=1e-6)
 
 
+def test_clients_without_data_train_nothing_and_are_left_out_of_personalized_accuracy():
+    """``min_size: 0`` (cross-device scale): empty clients are sampled, upload with weight 0, and have no
+    personalized accuracy (``None``), so the mean is over the clients that have test samples."""
+    part = {"name": "dirichlet", "alpha": 0.1, "min_size": 0}
+    cfg = build_config(
+        digits_config(
+            rounds=2,
+            data={"dataset": "digits", "num_clients": 300, "partition": part},
+            client={"epochs": 1, "batch_size": 16, "lr": 0.05, "fraction": 0.5},
+            eval={"protocol": "personalized", "every": 1},
+        )
+    )
+    data = build_data(cfg)
+    empty = {cid for cid, idx in enumerate(data.train_idx) if len(idx) == 0}
+    assert len(empty) > 10
+    sim = build_simulation(cfg, data)
+    sampled = set(sim.schedule[0].tolist())
+    assert sampled & empty and sampled - empty
+    rec = sim.run_round().record
+    accs = rec["accuracy_clients"]
+    no_test = {cid for cid, idx in enumerate(data.test_idx) if len(idx) == 0}
+    assert no_test and {cid for cid, a in enumerate(accs) if a is None} == no_test
+    have = [a for a in accs if a is not None]
+    assert rec["accuracy"] == pytest.approx(float(np.mean(have)), abs=1e-6)
+    assert np.isfinite(rec["loss"]) and np.isfinite(rec["train_loss"])
+    assert all(torch.isfinite(v).all() for v in sim.server["weights"].values())
+
+
 def test_final_round_is_reported_not_best(tmp_path):
     cfg = build_config(digits_config(rounds=3, data={**digits_config()["data"], "val_fraction": 0.2}))
     summary = run_experiment(cfg, tmp_path / "run")

@@ -94,9 +94,9 @@ def test_build_federated_passes_domains():
             "data.test.per_klass.*per_class",
         ),
         (
-            {"partition": {"name": "dirichlet", "alpha": 0.1, "min_size": 0}, "num_clients": 200},
+            {"partition": {"name": "dirichlet", "alpha": 0.1, "min_size": 1}, "num_clients": 2000},
             DataError,
-            "without training samples",
+            "exceeds",
         ),
         ({"partition": {"name": "iid"}, "num_clients": 0}, ConfigError, "num_clients"),
     ],
@@ -105,6 +105,17 @@ def test_build_federated_errors(kwargs, err, needle):
     args = {"num_clients": 5, "test": None, **kwargs}
     with pytest.raises(err, match=needle):
         build_federated(synthetic(), args["num_clients"], args["partition"], 0, test=args["test"])
+
+
+def test_min_size_zero_keeps_clients_without_data():
+    """Cross-device scale: an explicit ``min_size: 0`` keeps clients that hold no sample (instead of the
+    error a partition that leaves clients empty raises otherwise); every sample still has one owner."""
+    ds = synthetic()
+    fd = build_federated(ds, 400, {"name": "dirichlet", "alpha": 0.1, "min_size": 0}, 0)
+    sizes = [len(p) for p in fd.train_idx]
+    assert min(sizes) == 0 and sum(sizes) == len(ds.y_train)
+    owners = torch.cat(fd.train_idx)
+    assert torch.equal(torch.sort(owners).values, torch.arange(len(ds.y_train)))
 
 
 def test_partition_table_rows():

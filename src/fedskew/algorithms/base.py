@@ -382,9 +382,11 @@ class Algorithm:
 
 # -------------------------------------------------------------------- shared helpers
 def sample_weights(uploads: list[Upload]) -> Tensor:
-    """Aggregation weights proportional to local sample counts (FedAvg's n_k / n)."""
+    """Aggregation weights proportional to local sample counts (FedAvg's n_k / n); equal weights when every
+    upload comes from a client without data (``min_size: 0`` partitions), whose upload is the model it got."""
     n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
-    return n / n.sum()
+    total = n.sum()
+    return n / total if total > 0 else torch.full_like(n, 1.0 / len(n))
 
 
 def weighted_average(states: list[Mapping[str, Tensor]], weights: Tensor) -> dict[str, Tensor]:

@@ -215,7 +215,7 @@ def build_federated(
     )
     parts = [subset[p] for p in parts]
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
-    if empty:
+    if empty and partition.get("min_size") != 0:
         shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
         raise DataError(
             f"partition {dict(partition)} left {len(empty)} client(s) without training samples ({shown}); "

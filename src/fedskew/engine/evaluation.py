@@ -61,16 +61,22 @@ def summarize(
     """Metrics record: ``accuracy`` (primary head) and ``accuracy_<head>`` for the others.
 
     ``per_client[head]`` holds one accuracy per client (``personalized``: mean and std over clients, as
-    FedProto and MP-FedCL report) or a single value (``global``).
+    FedProto and MP-FedCL report) or a single value (``global``). A client without test samples
+    (``sizes == 0``, possible with ``min_size: 0`` partitions) has no accuracy: it is left out of the mean and
+    std, and is ``None`` in ``accuracy_clients``.
     """
     out: dict[str, Any] = {}
+    has = None if sizes is None else (sizes > 0).cpu()
     for i, head in enumerate(heads):
-        accs = per_client[head].double()
+        every = per_client[head].double().cpu()
+        accs = every if has is None else every[has]
         key = "accuracy" if i == 0 else f"accuracy_{head}"
         out[key] = float(accs.mean())
         out[key + "_std"] = float(accs.std(unbiased=False)) if accs.numel() > 1 else 0.0
-        if sizes is not None and i == 0:  # per-client accuracies of the primary head (spread analyses)
-            out["accuracy_clients"] = [round(float(a), 6) for a in accs]  # type: ignore[assignment]
+        if has is not None and i == 0:  # per-client accuracies of the primary head (spread analyses)
+            out["accuracy_clients"] = [  # type: ignore[assignment]
+                round(float(a), 6) if h else None for a, h in zip(every, has.tolist(), strict=True)
+            ]
     out["loss"] = loss
     if sizes is not None:  # sample-weighted personalized accuracy, for comparison with pooled numbers
         w = sizes.double() / sizes.sum()
@@ -176,5 +182,5 @@ class _Scorer:
             loss = s.loss[inverse]
         n = len(client_idx)
         per_client = {h: segment_mean(c, seg, n) for h, c in correct.items()}
-        mean_loss = float(segment_mean(loss, seg, n).mean())
+        mean_loss = float(segment_mean(loss, seg, n)[sizes > 0].mean())
         return summarize(per_client, mean_loss, list(correct), sizes)
