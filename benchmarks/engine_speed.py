@@ -1,4 +1,4 @@
-"""Seconds per round of fedskew's engine modes against Flower's simulation engine, side by side (issue 8).
+"""Seconds per round of fedskew's engine modes against Flower's simulation engine, side by side.
 
 Workloads (MNIST under ``$FEDSKEW_DATA``):
 
@@ -9,7 +9,8 @@ Workloads (MNIST under ``$FEDSKEW_DATA``):
 * W4 (cross-device scale): FedAvg, ``mlp_mpfedcl``, 10,000 clients (Dirichlet 0.1, ``min_size: 0``, so many
   clients hold a handful of images or none), 100 per round, batch 32; plus two scaling curves
   (``--scaling``): seconds per round against participating clients (10 → 1,000 of 10,000) and against total
-  clients (1,000 → 100,000 at 100 per round), plotted log-log to ``docs/img/engine_w4_scaling.png``.
+  clients (1,000 → 100,000 at 100 per round), plotted log-log to ``docs/img/engine_w4_participants.png``
+  and ``docs/img/engine_w4_total.png``.
 
 Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``vectorized+workers``,
 ``auto``) each run is a fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest
@@ -26,6 +27,7 @@ CPU; evaluation on = its central evaluation of the test set).
     python benchmarks/engine_speed.py --quick         # 1 timed round, 10% of each client's data (W1, W2)
     python benchmarks/engine_speed.py --workloads W2 --no-flower --no-pfl
     python benchmarks/engine_speed.py --workloads W4 --modes auto --scaling
+    python benchmarks/engine_speed.py --replot        # redraw the W4 plots from engine_w4_scaling.json
     python benchmarks/engine_speed.py --device cuda   # the default when a GPU is present; both sides on it
 
 On a GPU the results go to ``engine_<workload>[_quick]_cuda.json`` (with ``peak_gpu_bytes``); workers run
@@ -147,7 +149,9 @@ def measure_one(
         resolved = sim.executor.name
     finally:
         sim.close()
-    per_round = sum(sim.runtime.data.size(c) for c in sim.schedule[0].tolist()) * cfg.client.epochs
+    timed_rounds = sim.schedule[1 : rounds + 1]  # the eval-off rounds after the warm-up
+    per_round = sum(sim.runtime.data.size(c) for c in timed_rounds.flatten().tolist()) / len(timed_rounds)
+    per_round *= cfg.client.epochs
     model = sim.runtime.models.model_for(0)
     fps = train_flops_per_sample(
         model, sim.runtime.data.x[: cfg.client.batch_size], sim.runtime.data.y[: cfg.client.batch_size]
@@ -284,10 +288,16 @@ def plot_w4_scaling(scaling: list[dict], out_dir: Path) -> list[Path]:
     paths = []
     for name, xlabel, fixed_key, fixed in panels:
         key = "participating" if name == "participants" else "total_clients"
-        pts = sorted((s[key], s["seconds_per_round"]) for s in scaling if s[fixed_key] == fixed)
-        xs, ys = zip(*pts, strict=True)
+        pts = sorted(
+            (s[key], s["seconds_per_round"], s["samples_per_second"] * s["seconds_per_round"])
+            for s in scaling
+            if s[fixed_key] == fixed
+        )
+        xs, ys, _ = zip(*pts, strict=True)
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
         ax.loglog(xs, ys, "o-", label=f"fedskew ({scaling[0]['resolved']})")
+        for x, y, n in pts:  # the round's work: with a fixed dataset, more clients means smaller ones
+            ax.annotate(f"{n:,.0f}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=6)
         slope = 1.0 if name == "participants" else 0.0
         ax.loglog(
             xs,
@@ -298,7 +308,7 @@ def plot_w4_scaling(scaling: list[dict], out_dir: Path) -> list[Path]:
         )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("seconds per round")
-        ax.set_title("W4: FedAvg, MLP, MNIST Dir(0.1)", fontsize=9)
+        ax.set_title("W4: FedAvg, MLP, MNIST Dir(0.1); labels: samples per round", fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"engine_w4_{name}.png"
@@ -317,6 +327,7 @@ def main() -> None:
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower side")
     ap.add_argument("--no-pfl", action="store_true", help="skip the pfl side")
     ap.add_argument("--scaling", action="store_true", help="W4's two scaling curves (9 more runs) and plots")
+    ap.add_argument("--replot", action="store_true", help="redraw the W4 plots from the saved scaling points")
     ap.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
@@ -328,6 +339,11 @@ def main() -> None:
     ap.add_argument("--total", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
+    if args.replot:
+        saved = json.loads((RESULTS / "engine_w4_scaling.json").read_text())["scaling"]
+        for path in plot_w4_scaling(saved, HERE.parent / "docs" / "img"):
+            print(f"wrote {path}")
+        return
     if args.one:
         one = measure_one(
             args.one[0], args.one[1], rounds, args.quick, args.participating, args.device, args.total
@@ -384,27 +400,29 @@ def report(
             f"{p_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
         )
     for s in scaling:
+        samples = s["samples_per_second"] * s["seconds_per_round"]
         print(
             f"{workload} with {s['participating']:>5} of {s['total_clients']:>6} clients per round: "
             f"{s['seconds_per_round']:.3f} s ({1000 * s['seconds_per_round'] / s['participating']:.2f} ms a "
-            f"client, {s['resolved']}, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB)"
+            f"client, {samples:.0f} samples, {s['resolved']}, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB)"
         )
     RESULTS.mkdir(exist_ok=True)
     gpu = "" if device == "cpu" else "_" + device.replace(":", "")
-    out = RESULTS / f"engine_{workload.lower()}{'_quick' if quick else ''}{gpu}.json"
-    payload = {
-        "workload": workload,
-        "modes": rows,
-        **peers,
-        "scaling": scaling,
+    stem = f"engine_{workload.lower()}{'_quick' if quick else ''}{gpu}"
+    meta = {
         "quick": quick,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
+    # the scaling curves go to their own file, so a later run without them does not erase them
+    parts = [(f"{stem}.json", {"workload": workload, "modes": rows, **peers, **meta})]
+    if scaling:
+        parts.append((f"{stem}_scaling.json", {"workload": workload, "scaling": scaling, **meta}))
+    for name, payload in parts:
+        (RESULTS / name).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {RESULTS / name}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,9 @@ def _worker(bundle_path: str, rounds: int, evaluate: bool, stamps_path: str) -> 
 
     torch.set_num_threads(1)
     b = torch.load(bundle_path, weights_only=False)
-    users = {u: [b["x_train"][idx], b["y_train"][idx]] for u, idx in enumerate(b["train_idx"])}
+    # pfl evaluates every sampled user and fails on one without data: W4's empty clients (``min_size: 0``)
+    # are left out and the cohort is the same fraction of the others, the same expected work per round.
+    users = {u: [b["x_train"][idx], b["y_train"][idx]] for u, idx in enumerate(b["train_idx"]) if len(idx)}
     train_data = FederatedDataset.from_slices(users, get_user_sampler("minimize_reuse", list(users)))
     net = _PflNet(b)
     model = PyTorchModel(
@@ -111,7 +113,7 @@ def _worker(bundle_path: str, rounds: int, evaluate: bool, stamps_path: str) -> 
         test = Dataset(raw_data=[b["x_test"], b["y_test"]])
         callbacks.append(CentralEvaluationCallback(test, model_eval_params=eval_params, frequency=1))
     callbacks.append(Stamp())  # after the evaluation, so an evaluated round includes it
-    cohort = max(1, round(b["fraction"] * b["num_clients"]))
+    cohort = max(1, round(b["fraction"] * len(users)))
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=rounds,
@@ -139,7 +141,10 @@ def pfl_seconds_per_round(bundle_path: Path, rounds: int, evaluate: bool, worker
     cmd += [__file__, str(bundle_path), str(rounds), str(int(evaluate)), str(stamps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0 or not stamps.exists():
-        raise RuntimeError(f"pfl run failed:\n{out.stderr[-2000:]}")
+        log = bundle_path.with_suffix(".pfl.log")
+        log.write_text(out.stderr)
+        first = out.stderr.find("Traceback")  # a worker's own error, before torchrun's summary
+        raise RuntimeError(f"pfl run failed (full log: {log}):\n{out.stderr[first : first + 3000]}")
     times = json.loads(stamps.read_text())["times"]
     diffs = sorted(b - a for a, b in itertools.pairwise(times[1:]))  # skip round 1 (warm-up)
     return diffs[len(diffs) // 2] if diffs else times[-1] - times[0]

@@ -38,7 +38,6 @@ def kshot_config(algorithm: dict, rounds: int = 3, **over) -> dict:
     return cfg
 
 
-
 def tiny_ctx() -> Context:
     return tiny_context()
 

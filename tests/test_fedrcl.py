@@ -59,8 +59,10 @@ def test_loss_matches_hand_computation_with_and_without_active_penalty() -> None
     tau, lam = 0.5, 0.7
     y = [0, 0, 1, 1, 2]  # anchor 4 has no positive and is left out
     # class 0: two nearly parallel vectors (cos ≈ 0.995 > λ: penalty active); class 1: cos = 0 (inactive)
-    z = torch.tensor([[1.0, 0.1, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [-1.0, -1.0, 0.0]],
-                     dtype=torch.float64)
+    z = torch.tensor(
+        [[1.0, 0.1, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [-1.0, -1.0, 0.0]],
+        dtype=torch.float64,
+    )
     got = relaxed_contrastive_loss(z, torch.tensor(y), tau=tau, threshold=lam, penalty_weight=0.8)
     assert float(got) == pytest.approx(rcl_by_hand(z, y, tau, lam, 0.8), rel=1e-10)
     # the penalty is active for class 0 only: it changes the loss
@@ -165,9 +167,15 @@ def test_feature_hooks_are_removed_after_the_pass(monkeypatch) -> None:
 # ----------------------------------------------------------------------------------------------- hooks
 def _ctx(num_classes: int = 10) -> Context:
     return Context(
-        num_clients=2, num_classes=num_classes, in_shape=(1, 28, 28), device=torch.device("cpu"),
-        client=ClientSection(), client_sizes=torch.tensor([5, 3]),
-        class_counts=torch.ones(2, num_classes, dtype=torch.long), rounds=1, seed=0,
+        num_clients=2,
+        num_classes=num_classes,
+        in_shape=(1, 28, 28),
+        device=torch.device("cpu"),
+        client=ClientSection(),
+        client_sizes=torch.tensor([5, 3]),
+        class_counts=torch.ones(2, num_classes, dtype=torch.long),
+        rounds=1,
+        seed=0,
         build_model=lambda cid: MODELS.get("cnn_fedproto")((1, 28, 28), num_classes),
     )
 
@@ -180,8 +188,13 @@ def test_local_loss_is_ce_plus_beta_times_mean_over_levels_and_gradients_route()
     torch.manual_seed(0)
     cls = ALGORITHMS.get("fedrcl")
     assert cls.Params().model_dump() == {
-        "beta": 1.0, "tau": 0.05, "threshold": 0.7, "penalty_weight": 1.0, "layers": "all",
-        "layer_reduction": "mean", "pre_activation": True,
+        "beta": 1.0,
+        "tau": 0.05,
+        "threshold": 0.7,
+        "penalty_weight": 1.0,
+        "layers": "all",
+        "layer_reduction": "mean",
+        "pre_activation": True,
     }
     alg = cls(cls.Params(beta=0.5, tau=0.2, threshold=0.3), _ctx())
     model = MODELS.get("cnn_fedproto")((1, 28, 28), 10, dropout=0.0)

@@ -266,8 +266,10 @@ def test_frozen_encoder_mode_trains_and_sends_only_the_head(tmp_path):
 
     torch.manual_seed(0)
     encoder = MODELS.get("resnet18")((1, 8, 8), 1000, stem="imagenet")
-    state = {("fc." + k.removeprefix("classifier.")) if k.startswith("classifier.") else k: v
-             for k, v in encoder.state_dict().items()}  # torchvision's key names
+    state = {
+        ("fc." + k.removeprefix("classifier.")) if k.startswith("classifier.") else k: v
+        for k, v in encoder.state_dict().items()
+    }  # torchvision's key names
     (tmp_path / "pretrained").mkdir()
     torch.save(state, tmp_path / "pretrained" / "resnet18.pth")
     cfg = build_config(frozen_config("pretrained/resnet18.pth", root=str(tmp_path)))

@@ -117,6 +117,15 @@ def model_arrays(state: Mapping[str, Tensor], keys: Callable[[str], bool] | None
     return {MODEL_PREFIX + k: v.detach().clone() for k, v in state.items() if keys is None or keys(k)}
 
 
+def server_arrays(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Prefix the server's model weights for a broadcast payload, without copying them.
+
+    A server state is never changed in place (hooks return new values) and no hook changes its payload,
+    so every client's payload may share the server's tensors: one copy of the model per client less.
+    """
+    return {MODEL_PREFIX + k: v for k, v in weights.items()}
+
+
 def clone_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Detached copies of a model's state entries (personal weights kept in client state)."""
     return {k: v.detach().clone() for k, v in state.items()}
@@ -313,7 +322,7 @@ class Algorithm:
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """Payload sent to client ``info.cid`` (``None``: for global evaluation)."""
-        return Payload(arrays=model_arrays(server["weights"]))
+        return Payload(arrays=server_arrays(server["weights"]))
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
         """FedAvg (McMahan et al. 2017): the new server state, the sample-weighted mean of the uploads."""

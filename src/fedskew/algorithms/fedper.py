@@ -34,6 +34,7 @@ from fedskew.algorithms.base import (
     State,
     clone_state,
     model_arrays,
+    server_arrays,
 )
 from fedskew.errors import ConfigError
 
@@ -89,7 +90,7 @@ class FedPer(Algorithm):
         return {"weights": {k: v for k, v in clone_state(model.state_dict()).items() if self.is_shared(k)}}
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
-        return Payload(arrays=model_arrays(server["weights"]))  # base layers only
+        return Payload(arrays=server_arrays(server["weights"]))  # base layers only
 
     def init_client(self, cid: int) -> State:
         return {"personal": {k: v for k, v in self.ctx.initial_state(cid).items() if self.is_personal(k)}}

@@ -51,6 +51,7 @@ from fedskew.algorithms.base import (
     clone_state,
     embedding_dim,
     model_arrays,
+    server_arrays,
 )
 from fedskew.models.base import embed_in_chunks
 from fedskew.protos import class_sums, kmeans, nearest_prototype_scores
@@ -238,7 +239,7 @@ class MPFedCL(Algorithm):
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """Global weights and the real pool with class and owner ids; clients pad it themselves (Eq. 10),
         which is the same information as the dense pool in at most N·C·K·d floats."""
-        tensors = model_arrays(server["weights"])
+        tensors = server_arrays(server["weights"])
         tensors.update(
             pool_protos=server["protos"].clone(),
             pool_classes=server["classes"].clone(),

@@ -28,6 +28,7 @@ class SGD:
         self.buffers: list[Tensor | None] = [None] * len(self.params)
 
     def zero_grad(self) -> None:
+        """Drop the gradients (``set_to_none``): the momentum buffers may be the previous gradients."""
         for p in self.params:
             p.grad = None
 
@@ -53,5 +54,7 @@ class SGD:
             torch._foreach_add_(bufs, [grads[k] for k in held])
         for k, i in enumerate(live):
             if self.buffers[i] is None:
-                self.buffers[i] = grads[k].detach().clone()
+                # torch.optim.SGD copies the first gradient; adopting it is the same value without the copy,
+                # because zero_grad() drops ``p.grad`` and the next backward allocates a new gradient.
+                self.buffers[i] = grads[k].detach()
         return [self.buffers[i] for i in live]  # type: ignore[misc]
