@@ -1,6 +1,6 @@
 """MP-FedCL clustering cost: k-means for one client, and the share of a round spent clustering.
 
-Target (issue 5): k-means for one client, 10 classes x 300 points x 256 dims, K = 4, under 50 ms on CPU
+Target: k-means for one client, 10 classes x 300 points x 256 dims, K = 4, under 50 ms on CPU
 (one thread); the script exits with status 1 if fedskew's k-means misses it. Rows compare fedskew's torch
 k-means (the one MP-FedCL uses: Lloyd, random or k-means++ seeding, max 300 iterations, tol 1e-4) with
 scikit-learn's KMeans on the same data, and time DBSCAN (DP-FedCL). The second table runs the MNIST

@@ -2,7 +2,7 @@
 DataLoader + deep-copy-per-client loop, with achieved GFLOP/s against two GEMM ceilings measured in the
 same process (a float32 2048^3 ``torch.mm`` and the same GEMM run as a 1x1 convolution).
 
-Workload (issue 3): MNIST, 20 clients, Dirichlet(0.5), 1 local epoch; ``cnn_mnist`` at batch 32 and
+Workload: MNIST, 20 clients, Dirichlet(0.5), 1 local epoch; ``cnn_mnist`` at batch 32 and
 ``cnn_fedproto`` at batch 8. Needs MNIST under ``$FEDSKEW_DATA`` (e.g. ``FEDSKEW_DATA=../shared/data``).
 Every variant trains the same model instance (the engine's, in its memory format); their rounds are timed in
 turn and the median reported, so drift of a shared machine does not favour whichever variant ran first.

@@ -68,12 +68,12 @@ def test_interior_solutions_satisfy_eq17():
     phi2 = X * 10 ** torch.empty(n, dtype=F64).uniform_(-0.5, 1.5, generator=g)  # p̄ from ~θ/30 to ~3θ
     eta, branch = solve_eta((x * grad).sum(1), (grad * grad).sum(1), X, theta, phi2, BETA)
     rhs, pbar = _eq17_rhs(eta, x, grad, theta, phi2)
-    interior = (eta > 0) & (eta < 1) & (pbar < 1)  # p̄ < 1: the clamp of spec A5.2 is inactive
+    interior = (eta > 0) & (eta < 1) & (pbar < 1)  # p̄ < 1: the clamp of p̄ to [1e-12, 1] is inactive
     assert int(interior.sum()) > 500
     rel = (eta - rhs).abs() / eta
     assert float(rel[interior].max()) < 1e-6
     assert int((branch[interior] == BRACKETED_ROOT).sum()) > 0  # the fallback's roots satisfy it too
-    # sign analysis (spec §3.7): with c < 0 and 1 + cG > 0, a positive η needs xᵀg < 0
+    # sign analysis: with c < 0 and 1 + cG > 0, a positive η needs xᵀg < 0
     c = BETA * theta * (1 + torch.log(pbar)) / ((1 - BETA) * phi2)
     usual = interior & (c < 0) & (1 + c * (grad * grad).sum(1) > 0)
     assert bool(((x * grad).sum(1)[usual] < 0).all())
@@ -135,7 +135,7 @@ def test_eta_is_always_finite_and_in_range(
     pbar0=st.floats(0.3, 1.0),
 )
 def test_eq18_bound_holds_where_c_is_nonnegative(X, G, cos, theta, pbar0):
-    """Eq. (18) with D = ‖g‖ bounds η whenever p̄(η) ≥ 1/e (c ≥ 0): then η ≤ c s ≤ c‖x‖D (spec §3.7)."""
+    """Eq. (18) with D = ‖g‖ bounds η whenever p̄(η) ≥ 1/e (c ≥ 0): then η ≤ c s ≤ c‖x‖D."""
     s, phi2 = cos * math.sqrt(X * G), theta * X / pbar0
     eta = float(solve_eta(s, G, X, theta, phi2, BETA)[0])
     pbar = theta * (X - 2 * eta * s + eta * eta * G) / phi2
@@ -147,7 +147,7 @@ def test_eq18_bound_holds_where_c_is_nonnegative(X, G, cos, theta, pbar0):
 
 
 def test_eq18_bound_fails_when_pbar_is_small():
-    """Spec §3.7: the paper's step '1 + log p ≤ 2' fails for p̄ < e^{-3}; θ = 0.01, p̄ = 0.01 breaks Eq. 18."""
+    """The paper's step '1 + log p ≤ 2' (Eq. 25) fails for p̄ < e^{-3}; θ = 0.01, p̄ = 0.01 breaks Eq. 18."""
     theta, X, G = 0.01, 100.0, 1e-4
     s, phi2 = -math.sqrt(X * G), theta * X / 0.01
     eta = float(solve_eta(s, G, X, theta, phi2, BETA)[0])

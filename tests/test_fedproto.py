@@ -43,7 +43,7 @@ def tiny_ctx() -> Context:
 
 
 def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
-    """L = CE + λ (1/(B·d)) Σ_b 1[C̄^(y_b) exists] ‖h_b − C̄^(y_b)‖² (Eq. 7–8, per-sample form, spec §2.5)."""
+    """L = CE + λ (1/(B·d)) Σ_b 1[C̄^(y_b) exists] ‖h_b − C̄^(y_b)‖² (Eq. 7–8, per-sample form)."""
     torch.manual_seed(0)
     model = Lin()
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_only_prototypes_cross_the_network():
         aggregate(s, ups, info),
     )[1]
     sim.algorithm.broadcast = lambda s, info: (lambda p: (seen_down.append(p), p)[1])(broadcast(s, info))
-    assert not sim.server["present"].any()  # round 1 starts from an empty prototype set (spec A3)
+    assert not sim.server["present"].any()  # round 1 starts from an empty prototype set
     sim.run_round()
     assert all(p.arrays["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
     sim.run_round()
@@ -105,14 +105,14 @@ def test_only_prototypes_cross_the_network():
         assert p.arrays["classes"].tolist() == torch.nonzero(counts[cid] > 0).flatten().tolist()
         assert p.arrays["counts"].tolist() == counts[cid][counts[cid] > 0].tolist()
     record = sim.history[-1]
-    assert record["round_params_up"] == 50 * int((counts > 0).sum())  # Σ_i n_i · d_c (spec §5.2)
+    assert record["round_params_up"] == 50 * int((counts > 0).sum())  # Σ_i n_i · d_c
     # per held class: 50 float32 values, an int64 class id and an int64 count
     assert record["round_bytes_up"] == (4 * 50 + 8 + 8) * int((counts > 0).sum())
     assert {"accuracy", "accuracy_logits", "proto_distance"} <= set(record)
 
 
 def test_fedproto_with_lambda_zero_is_local():
-    """No weights are shared, so λ = 0 leaves every client training alone (spec §7.1)."""
+    """No weights are shared, so λ = 0 leaves every client training alone."""
     proto = run_experiment(build_config(kshot_config({"name": "fedproto", "lam": 0.0})))
     local = run_experiment(build_config(kshot_config({"name": "local"})))
     assert proto["final"]["accuracy_logits"] == local["final"]["accuracy"]
@@ -147,7 +147,7 @@ def test_personal_splits_of_the_fedproto_cnn():
     head = personal_names(model, "head")
     assert head < linear
     shared = sum(v.numel() for k, v in model.state_dict().items() if k not in linear)
-    assert shared == 5280  # conv layers: Table 1's FedPer upload 20 x 5,280 = 105.6k (spec §5.2)
+    assert shared == 5280  # conv layers: Table 1's FedPer upload 20 x 5,280 = 105.6k
 
 
 def test_fedper_uploads_only_shared_layers_and_keeps_its_head():

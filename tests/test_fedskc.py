@@ -99,7 +99,7 @@ def test_lcl_skips_classes_without_prototypes_and_keeps_gradients_off_the_keys()
     got.backward()
     assert logits.grad is not None and logits.grad[2].abs().sum() == 0  # dropped sample: no gradient
     none = lcl_loss(logits, labels, glob, torch.zeros(3, dtype=torch.bool), tau=0.5, u=None)
-    assert float(none.detach()) == 0.0  # round 1: no prototypes, no LCL (spec L3)
+    assert float(none.detach()) == 0.0  # round 1: no prototypes, no LCL
 
 
 def test_discrepancy_sums_distances_over_present_classes():
@@ -123,7 +123,7 @@ def test_gda_weights_both_forms_by_hand():
     assert lit.tolist() == pytest.approx([s / sum(sig_lit) for s in sig_lit], rel=1e-12)
     for w in (rel, lit):
         assert float(w.sum()) == pytest.approx(1.0, abs=1e-12)
-    # spec G1: with realistic client sizes the literal sigmoid saturates: exactly uniform weights
+    # with realistic client sizes the literal sigmoid saturates: exactly uniform weights
     big = gda_weights(torch.tensor([5.0, 50.0, 9.0]), torch.tensor([300.0, 900.0, 2500.0]), "literal")
     assert big.tolist() == [1 / 3, 1 / 3, 1 / 3]
     assert rel[0] > rel[1] > rel[2]  # smaller discrepancy outweighs larger size here
@@ -250,5 +250,5 @@ def test_offline_long_tail_config_has_the_ldam_profile_and_a_skewed_split():
     assert per_class == [int(6000 * 100 ** (-c / 9)) for c in range(10)]  # n_c = ⌊n_max ρ^(−c/(C−1))⌋
     assert per_class[0] / per_class[-1] == pytest.approx(100, rel=0.02)
     sizes = counts.sum(1)
-    assert int(sizes.min()) >= 10 and int(sizes.max()) > 3 * int(sizes.min())  # unequal sizes (spec X5)
+    assert int(sizes.min()) >= 10 and int(sizes.max()) > 3 * int(sizes.min())  # unequal sizes
     assert float((counts > 0).float().mean()) < 0.9  # Dir(0.2): clients miss classes

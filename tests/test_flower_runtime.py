@@ -23,7 +23,7 @@ from tests.test_flower import assert_same_metrics, embedded, flower_config, reco
 
 pytestmark = [pytest.mark.slow, pytest.mark.flower_runtime]
 ROOT = Path(__file__).resolve().parents[1]
-#: the issue's list: FedAvg, SCAFFOLD, FedProto with heterogeneous models, FedPer, MP-FedCL, FedSKC, FedEnt
+#: FedAvg, SCAFFOLD, FedProto with heterogeneous models, FedPer, MP-FedCL, FedSKC, FedEnt
 LISTED = ["fedavg", "scaffold", "fedproto", "fedper", "mpfedcl", "fedskc", "fedent"]
 
 

@@ -19,16 +19,16 @@ EXPECTED_NAMES = {
 # (name, input shape, classes, options, parameter count, source of the number)
 COUNTS = [
     ("mlp_mpfedcl", (1, 28, 28), 10, {}, 798_474, "MP-FedCL Table II/III: 784-512-512-256-10"),
-    ("cnn_fedproto", (1, 28, 28), 10, {}, 21_840, "FedProto spec §4.4: 820 + 1051c, c=20"),
+    ("cnn_fedproto", (1, 28, 28), 10, {}, 21_840, "FedProto CNN: 820 + 1051c, c=20"),
     ("cnn_fedproto", (1, 28, 28), 10, {"conv2_channels": 18}, 19_738, "FedProto-mh c=18"),
     ("cnn_fedproto", (1, 28, 28), 10, {"conv2_channels": 22}, 23_942, "FedProto-mh c=22"),
     ("cnn_fedproto", (1, 128, 128), 62, {"conv1_kernel": 3}, 849_332, "FedProto FEMNIST 3,312 + 42,301c"),
     ("cnn_mnist", (1, 28, 28), 10, {}, 1_663_370, "FedAvg paper CNN / FedEnt MNIST-CNN"),
-    ("cnn_cifar", (3, 32, 32), 10, {}, 586_250, "FedEnt CIFAR10-CNN, spec's 32/64/64 channels"),
+    ("cnn_cifar", (3, 32, 32), 10, {}, 586_250, "FedEnt CIFAR10-CNN, 32/64/64 channels"),
     ("lenet5", (1, 28, 28), 10, {}, 61_706, "LeNet-5: 156 + 2,416 + 48,120 + 10,164 + 850"),
     ("lenet5", (1, 8, 8), 10, {}, 61_706, "LeNet-5 padded to its 32x32 frame: same net on digits"),
-    ("resnet8", (3, 32, 32), 10, {}, 1_227_594, "FedSKC X1 / public code ResNet_cifar(8, scaling=4)"),
-    ("resnet18", (3, 32, 32), 10, {"stem": "imagenet"}, 11_181_642, "FedProto spec §4.4 ResNet18"),
+    ("resnet8", (3, 32, 32), 10, {}, 1_227_594, "FedSKC's public code ResNet_cifar(8, scaling=4)"),
+    ("resnet18", (3, 32, 32), 10, {"stem": "imagenet"}, 11_181_642, "FedProto ResNet18, ImageNet stem"),
     ("resnet18", (3, 32, 32), 10, {}, 11_181_642 - 64 * 3 * (49 - 9), "CIFAR stem: 3x3 instead of 7x7"),
     ("vgg11", (3, 32, 32), 100, {"batch_norm": False}, 9_797_092, "FedEnt CIFAR-100 VGG-11 (no BN)"),
     ("vgg11", (3, 32, 32), 100, {}, 9_797_092 + 2 * (64 + 128 + 2 * 256 + 4 * 512), "VGG-11 + BN"),
@@ -45,7 +45,7 @@ def test_parameter_counts_match_the_papers(name, shape, classes, opts, count, so
 
 
 def test_cnn_fedproto_count_is_linear_in_conv2_channels():
-    # spec fedproto §4.4: 820 + 1051c on MNIST, 3,312 + 42,301c on FEMNIST 128x128
+    # FedProto's CNN: 820 + 1051c on MNIST, 3,312 + 42,301c on FEMNIST 128x128
     for c in (1, 7, 20):
         assert (
             count_parameters(MODELS.get("cnn_fedproto")((1, 28, 28), 10, conv2_channels=c)) == 820 + 1051 * c
@@ -119,7 +119,7 @@ def test_fedproto_mh_resnet18_strides_change_features_not_shapes():
     b = MODELS.get("resnet18")((3, 32, 32), 10, stem="imagenet").eval()
     b.load_state_dict(a.state_dict())  # same parameter shapes: the difference is only the strides
     x = torch.randn(2, 3, 32, 32)
-    assert a.stem(x).shape == b.stem(x).shape == (2, 64, 8, 8)  # spec §4.4: 8x8 after the stem either way
+    assert a.stem(x).shape == b.stem(x).shape == (2, 64, 8, 8)  # 8x8 after the stem either way
     assert not torch.allclose(a.features(x), b.features(x))
 
 

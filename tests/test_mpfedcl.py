@@ -27,7 +27,7 @@ from tests.conftest import digits_config
 
 
 def slice_loss_by_hand(z, y, pool, tau):
-    """Spec §3.6: (1/(N·K)) Σ_i Σ_k −log(exp(v·u_{i,y}^k/τ) / Σ_a exp(v·u_{i,a}^k/τ)), batch mean."""
+    """Eq. 11, P(y) = {y}: (1/(N·K)) Σ_i Σ_k −log(exp(v·u_{i,y}^k/τ) / Σ_a exp(v·u_{i,a}^k/τ)), batch mean."""
     n, c, k, _ = pool.shape
     total = 0.0
     for b in range(z.shape[0]):
@@ -49,7 +49,7 @@ def test_slice_loss_matches_the_spec_formula():
     got = prototype_contrastive_loss(z, y, pool, present, tau=0.5)
     assert float(got) == pytest.approx(slice_loss_by_hand(z, y, pool, 0.5), rel=1e-10)
     summed = prototype_contrastive_loss(z, y, pool, present, tau=0.5, reduction="sum")
-    assert float(summed) == pytest.approx(4 * float(got), rel=1e-10)  # Eq. 11's literal sum (A2)
+    assert float(summed) == pytest.approx(4 * float(got), rel=1e-10)  # Eq. 11's literal sum
 
 
 def test_slice_loss_vanishes_on_own_class_prototypes():
@@ -62,7 +62,7 @@ def test_slice_loss_vanishes_on_own_class_prototypes():
     loss = prototype_contrastive_loss(z, y, pool, torch.ones(c, dtype=torch.bool), tau=0.07)
     assert float(loss) == pytest.approx(math.log(1 + (c - 1) * math.exp(-1 / 0.07)), rel=1e-5)
     assert float(loss) < 1e-5
-    # the printed P(y) = "labels distinct from y" (A1) rewards the wrong classes: large on the same input
+    # the printed P(y) = "labels distinct from y" rewards the wrong classes: large on the same input
     everywhere = torch.ones(c, dtype=torch.bool)
     literal = prototype_contrastive_loss(z, y, pool, everywhere, 0.07, positives="others")
     assert float(literal) == pytest.approx(1 / 0.07 + math.log(1 + (c - 1) * math.exp(-1 / 0.07)), rel=1e-5)
@@ -104,7 +104,7 @@ def test_padding_follows_eq_10():
     assert pool.shape == (2, 3, 2, 2) and present.tolist() == [True, True, False]
     mean0, mean1 = torch.tensor([2.0, 0]), torch.tensor([0, 3.0])  # Eq. 9 over all prototypes of the class
     assert torch.equal(pool[0, 0], protos[:2])  # K real centroids kept
-    assert torch.equal(pool[0, 1], mean1.expand(2, 2))  # fewer than K: Ū_j in all K slots (literal, A5)
+    assert torch.equal(pool[0, 1], mean1.expand(2, 2))  # fewer than K: Ū_j in all K slots (literal Eq. 10)
     assert torch.equal(pool[1, 0], mean0.expand(2, 2))  # class missing on the client
     assert torch.equal(pool[1, 1], protos[3:])
     assert torch.equal(pool[:, 2], torch.zeros(2, 2, 2))  # absent everywhere: masked by `present`
@@ -120,7 +120,7 @@ def test_kmeans_gives_k_centroids_per_class_deterministically():
     b = cluster_class(blobs, "kmeans", 2, torch.Generator().manual_seed(7), "random", 0.5, 2)
     assert a.shape == (2, 8) and torch.equal(a, b)
     assert sorted(a.mean(1).round().tolist()) == [-3.0, 3.0]  # one centroid per blob
-    # fewer points than K: min(n, K) centroids (spec A5), the points themselves
+    # fewer points than K: min(n, K) centroids, the points themselves
     few = cluster_class(blobs[:2], "kmeans", 4, torch.Generator().manual_seed(0), "random", 0.5, 2)
     assert few.shape == (2, 8)
     assert torch.allclose(few.sort(0).values, blobs[:2].sort(0).values)
@@ -134,7 +134,7 @@ def test_dbscan_prototypes_and_a_class_without_clusters():
     two = torch.cat([torch.randn(20, 4, generator=g) * 0.01, torch.randn(20, 4, generator=g) * 0.01 + 1])
     got = cluster_class(two, "dbscan", 2, g, "random", eps=0.1, min_samples=3)
     assert got.shape == (2, 4)
-    scattered = torch.eye(4) * 10  # every point is noise: fall back to the class mean (spec A12)
+    scattered = torch.eye(4) * 10  # every point is noise: fall back to the class mean
     assert torch.allclose(cluster_class(scattered, "dbscan", 2, g, "random", 0.5, 2), scattered.mean(0)[None])
 
 
@@ -169,7 +169,7 @@ def test_payloads_round_one_pool_and_upload_sizes():
     cfg["eval"]["every"] = 1
     sim = build_simulation(build_config(cfg))
     first = sim.algorithm.broadcast(sim.server, RoundInfo(1, 0, sim.seed))
-    assert first.arrays["pool_protos"].shape[0] == 0  # empty pool in round 1 (A6)
+    assert first.arrays["pool_protos"].shape[0] == 0  # empty pool in round 1
     model = sim.runtime.models.model_for(0)
     # the weights and the pool with class and owner ids; no round number is sent
     pool_keys = {"pool_protos", "pool_classes", "pool_owners"}

@@ -49,7 +49,7 @@ def client_accuracies(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
 
 def code_cumulative(acc: np.ndarray, sizes: np.ndarray) -> tuple[float, float]:
     """Mean and std as the authors' evaluation prints them: its counters are never reset, so client i's
-    "accuracy" is the running accuracy over clients 0..i (spec §4.8)."""
+    "accuracy" is the running accuracy over clients 0..i."""
     running = np.cumsum(acc * sizes) / np.cumsum(sizes)
     return float(running.mean()), float(running.std())
 

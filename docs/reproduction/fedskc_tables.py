@@ -43,10 +43,10 @@ ABLATIONS = [
     ("✓", "✓ literal (= uniform)", "–", "LCL + GDA", "abl-lcl-gda"),
     ("✓", "–", "✓ affine", "LCL + GPR", "abl-lcl-gpr"),
     ("✓", "✓ literal (= uniform)", "✓ affine", "FedSKC (default)", "fmnist-dir0.2-fedskc"),
-    ("✓", "✓ relative", "✓ affine", "GDA as corrected (G1)", "abl-gda-relative"),
-    ("✓", "✓ literal (= uniform)", "✓ literal", "GPR as printed (P1)", "abl-gpr-literal"),
+    ("✓", "✓ relative", "✓ affine", "GDA as corrected (relative sizes)", "abl-gda-relative"),
+    ("✓", "✓ literal (= uniform)", "✓ literal", "GPR as printed", "abl-gpr-literal"),
     ("✓ M = 0", "✓ literal (= uniform)", "✓ affine", "plain-mean prototypes (Fig. 4c)", "abl-m0"),
-    ("✓ U = 1", "✓ literal (= uniform)", "✓ affine", "pure-cosine LCL (no U: L1 option iii)", "abl-u-none"),
+    ("✓ U = 1", "✓ literal (= uniform)", "✓ affine", "pure-cosine LCL (no U, public code)", "abl-u-none"),
     (
         "✓ code-like",
         "✓ literal (= uniform)",

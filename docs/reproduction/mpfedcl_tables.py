@@ -2,7 +2,7 @@
 
     python docs/reproduction/mpfedcl_tables.py RUNS_DIR   # RUNS_DIR/<config name>[-<tag>]/seed<k>/
 
-MP-FedCL reports the client-averaged accuracy on local test sets, mean (std) over 3 seeds (spec §5.8, A21:
+MP-FedCL reports the client-averaged accuracy on local test sets, mean (std) over 3 seeds (here the
 sample std over seeds). A cell is "mean (std over seeds)", with the mean over seeds of the across-client std
 after a "±" where it helps.
 """
@@ -101,12 +101,12 @@ def prototype_floats(runs: dict[str, list[RunResult]]) -> None:
 
 
 ABLATIONS = [
-    ("MP-FedCL as specified (A1 own class, A2 mean, A3 normalised, A9 local weights)", "mpfedcl"),
-    ("`normalize: false`: raw ReLU embeddings (A3 literal)", "mpfedcl-rawemb"),
-    ("`eval_weights: global`: test with the global model (A9)", "mpfedcl-globalw"),
-    ("`reduction: sum`: Eq. 11's sum over the batch (A2 literal)", "mpfedcl-sum"),
-    ("`positives: others`: P(y) = labels other than y (A1 literal)", "mpfedcl-others"),
-    ("SP-FedCL with `positives: others` (A1 literal)", "spfedcl-others"),
+    ("MP-FedCL default (own-class P(y), batch mean, normalised embeddings, local weights)", "mpfedcl"),
+    ("`normalize: false`: raw ReLU embeddings (literal)", "mpfedcl-rawemb"),
+    ("`eval_weights: global`: test with the global model", "mpfedcl-globalw"),
+    ("`reduction: sum`: Eq. 11's sum over the batch (literal)", "mpfedcl-sum"),
+    ("`positives: others`: P(y) = labels other than y (literal)", "mpfedcl-others"),
+    ("SP-FedCL with `positives: others` (literal P(y))", "spfedcl-others"),
     ("`weight: 0`: no L_R (FedAvg + prototype inference)", "mpfedcl-nolr"),
 ]
 

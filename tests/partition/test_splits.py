@@ -56,7 +56,7 @@ def test_test_split_matches_support_and_is_disjoint_when_flagged(seed, num_clien
 
 
 def test_fedproto_per_class_test_sets():
-    # FedProto spec §4.3: the client's classes, 40 test samples each (MNIST), disjoint across clients
+    # as FedProto's code: the client's classes, 40 test samples each (MNIST), disjoint across clients
     y = np.repeat(np.arange(10), 1000)
     y_test = np.repeat(np.arange(10), 1000)
     parts = apply_partition({"name": "nway_kshot", "n": 3, "stdev": 1, "k": 100}, y, 20, 1234, num_classes=10)
