@@ -283,11 +283,12 @@ def test_paired_baseline_must_name_one_group(tmp_path):
         fake_run(tmp_path / f"fedavg-{lr}" / "seed0", "fedavg", 0, 0.8, lr)
     groups = group_runs(find_runs([tmp_path]))
     assert select_group(groups, "client.lr=0.1").label.startswith("fedavg (client.lr=0.1) | digits")
+    assert select_group(groups, "fedavg-0.05").label.startswith("fedavg (client.lr=0.05) | digits")
     with pytest.raises(
         FedskewError, match=r"'fedavg' matches 2 groups: 'fedavg \(client.lr=0.05\) \| digits"
     ):
         select_group(groups, "fedavg")
     with pytest.raises(
-        FedskewError, match="'scaffold': no group's label or algorithm matches; groups: 'fedavg"
+        FedskewError, match="'scaffold': no group's label, sweep folder or algorithm matches; groups: 'fedavg"
     ):
         select_group(groups, "scaffold")

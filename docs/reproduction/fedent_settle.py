@@ -1,13 +1,15 @@
-"""Tables of the FedEnt learning-rate runs in docs/reproduction/fedent.md ("Does a larger rate explain the
-paper's numbers?").
+"""Tables of the FedEnt learning-rate runs in docs/reproduction/fedent.md ("Does a larger learning rate
+explain the paper's numbers?").
 
     python docs/reproduction/fedent_settle.py RUNS_DIR   # RUNS_DIR/<method>-lr<rate>/seed<k>/
 
-Per folder: the final-round test accuracy and the mean of the last 5 rounds (finished runs, mean ± std over
-seeds, per seed), the round at which the run first reached the paper's FedEnt accuracy (97.24%), and for
-FedEnt the share of participants in the regime 1 + cG < 0 per round (mean and max over rounds) and how
-often the cost's minimiser differs from the stationary point. Where two or more seeds of FedEnt and FedAvg at
-one rate finished, their paired difference with its 95% t-interval. Unfinished runs show their last round.
+Per folder: the final-round test accuracy with the 95% t-interval of its mean and the mean of the last 5
+rounds (finished runs, mean ± std over seeds, per seed), the round at which the run first reached the
+paper's FedEnt accuracy (97.24%), and for FedEnt the share of participants in the regime 1 + cG < 0 per
+round (mean and max over rounds, and by phase) and how often the cost's minimiser differs from the
+stationary point. Then the seed-paired differences of the final accuracy with their 95% t-intervals:
+FedEnt against FedAvg at each rate, each rate against lr 0.01 (the Table III grid), FedAvg against the
+paper's FedEnt, and the two solvers. Unfinished runs show their last round.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 
 from fedskew.errors import FedskewError
-from fedskew.experiment.report import Group, paired_differences, run_value, runs_by_folder
+from fedskew.experiment.report import Group, Paired, RunResult, run_value, runs_by_folder
 from fedskew.experiment.runner import METRICS_FILE
 
 PAPER_FEDENT = 97.24
+# Final-round accuracies (%) of the Table III grid at lr 0.01 (runs/fedent, seeds 0-2), the rows of
+# fedent.md's Table III: the baseline rate of the cross-rate pairs.
+TABLE_III_LR001 = {"fedavg": {0: 95.00, 1: 95.57, 2: 94.68}, "fedent": {0: 95.00, 1: 95.56, 2: 94.70}}
 
 
 def cell(values: list[float]) -> str:
@@ -31,15 +37,71 @@ def cell(values: list[float]) -> str:
     return f"{arr.mean():.2f}{spread} [{len(arr)}]"
 
 
+def interval(values: list[float]) -> str:
+    """95% t-interval of the mean, to set against the paper's 97.24."""
+    arr = np.array(values)
+    if len(arr) < 2:
+        return "—"
+    half = float(scipy.stats.t.ppf(0.975, len(arr) - 1)) * arr.std(ddof=1) / np.sqrt(len(arr))
+    return f"[{arr.mean() - half:.2f}, {arr.mean() + half:.2f}]"
+
+
+PHASES = ((1, 10), (11, 25), (26, 50))
+
+
 def regime(rows: list[dict]) -> str:
+    """Share of participants with 1 + cG < 0: mean / max over rounds, then the mean in rounds 1–10, 11–25
+    and 26–50, and how often the cost's minimiser differs from the stationary point."""
     share = [m["fedent_neg_den"] for m in rows if "fedent_neg_den" in m]
     differ = [m["fedent_solvers_differ"] for m in rows if "fedent_solvers_differ" in m]
     if not share:
         return "—"
-    return (
-        f"{100 * np.mean(share):.0f}% / {100 * np.max(share):.0f}%; minimiser ≠ root for "
-        f"{100 * np.mean(differ):.0f}%"
+    phases = " / ".join(
+        f"{100 * np.mean([m['fedent_neg_den'] for m in rows if lo <= m['round'] <= hi]):.0f}%"
+        for lo, hi in PHASES
     )
+    return (
+        f"{100 * np.mean(share):.0f}% / {100 * np.max(share):.0f}%; by phase {phases}; "
+        f"minimiser ≠ root for {100 * np.mean(differ):.0f}%"
+    )
+
+
+def finals(runs: list[RunResult] | None) -> dict[int, float]:
+    return {int(r.config["seed"]): 100 * run_value(r) for r in runs or []}
+
+
+def print_pairs(finished: dict[str, list[RunResult]]) -> None:
+    """Seed-paired differences of final accuracy (points) with their 95% t-interval: FedEnt against FedAvg
+    at each rate, each rate against lr 0.01, FedAvg against the paper's FedEnt, and the two solvers."""
+    runs = {name: finals(group) for name, group in finished.items()}
+    runs.update({f"{m}-lr0.01": v for m, v in TABLE_III_LR001.items()})
+    paper = {seed: PAPER_FEDENT for seed in range(10)}
+    pairs = [(f"FedEnt − FedAvg, lr {r}", f"fedent-lr{r}", f"fedavg-lr{r}") for r in ("0.01", "0.03", "0.1")]
+    pairs += [
+        (f"{m} lr {r} − {m} lr 0.01", f"{m.lower()}-lr{r}", f"{m.lower()}-lr0.01")
+        for m in ("FedAvg", "FedEnt")
+        for r in ("0.03", "0.1")
+    ]
+    pairs += [
+        (f"FedAvg lr {r} − the paper's FedEnt (97.24)", f"fedavg-lr{r}", "paper") for r in ("0.03", "0.1")
+    ]
+    pairs += [
+        ("FedEnt, minimiser − stationary point, lr 0.01", "fedent-minimiser-lr0.01", "fedent-lr0.01"),
+        ("FedEnt minimiser lr 0.01 − FedAvg lr 0.03", "fedent-minimiser-lr0.01", "fedavg-lr0.03"),
+    ]
+    print("\n| comparison | paired seeds | per seed | mean | std | 95% t-interval |")
+    print("|---|---|---|---|---|---|")
+    for label, left, right in pairs:
+        a, b = runs.get(left, {}), paper if right == "paper" else runs.get(right, {})
+        diffs = {seed: a[seed] - b[seed] for seed in sorted(set(a) & set(b))}
+        if not diffs:
+            continue
+        p = Paired(Group(label), {k: v / 100 for k, v in diffs.items()}, 0)
+        lo, hi = p.interval
+        per_seed = ", ".join(f"{v:+.2f}" for v in diffs.values())
+        std = "—" if p.n < 2 else f"{100 * p.std:.2f}"
+        ci = "—" if p.n < 2 else f"[{100 * lo:+.2f}, {100 * hi:+.2f}]"
+        print(f"| {label} | {p.n} | {per_seed} | {100 * p.mean:+.2f} | {std} | {ci} |")
 
 
 def unfinished(folder: Path) -> list[str]:
@@ -59,10 +121,11 @@ def main(root: Path) -> None:
     except FedskewError:  # nothing finished yet: the unfinished rows only
         finished = {}
     print(
-        "| run | final round (%) | last 5 rounds (%) | per seed, final | first round ≥ 97.24% | "
-        "1 + cG < 0: mean / max share of participants per round |"
+        "| run | final round (%) | final: 95% t-interval | last 5 rounds (%) | per seed, final | "
+        "first round ≥ 97.24% | "
+        "1 + cG < 0: share of participants per round, mean / max; rounds 1–10 / 11–25 / 26–50 |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         runs = finished.get(folder.name, [])
         rows = [json.loads(x) for r in runs for x in (r.path / METRICS_FILE).read_text().splitlines() if x]
@@ -75,22 +138,12 @@ def main(root: Path) -> None:
             ]
             seeds = " / ".join(f"{v:.2f}" for v in final)
             print(
-                f"| {folder.name} | {cell(final)} | {cell(last5)} | {seeds} | "
+                f"| {folder.name} | {cell(final)} | {interval(final)} | {cell(last5)} | {seeds} | "
                 f"{' / '.join(str(x or 'never') for x in reach)} | {regime(rows)} |"
             )
         for line in unfinished(folder):
-            print(f"| {folder.name} (unfinished) | {line} | | | | |")
-    for rate in sorted({f.split("-lr")[-1] for f in finished if "-lr" in f}):
-        base, other = finished.get(f"fedavg-lr{rate}"), finished.get(f"fedent-lr{rate}")
-        if not base or not other:
-            continue
-        for p in paired_differences([Group("FedEnt", other)], Group("FedAvg", base), "accuracy", 0):
-            if p.n >= 2:
-                lo, hi = p.interval
-                print(
-                    f"\nlr {rate}: FedEnt − FedAvg over {p.n} paired seeds: {100 * p.mean:+.2f} "
-                    f"[{100 * lo:+.2f}, {100 * hi:+.2f}]"
-                )
+            print(f"| {folder.name} (unfinished) | {line} | | | | | |")
+    print_pairs(finished)
 
 
 if __name__ == "__main__":

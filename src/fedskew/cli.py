@@ -240,7 +240,8 @@ def report(
     paired: str | None = typer.Option(
         None,
         "--paired",
-        help="baseline group (its label, algorithm name or part of its label): seed-paired differences",
+        help="baseline group (its label, sweep folder, algorithm name or part of its label): "
+        "seed-paired differences",
     ),
     metric: str = typer.Option("accuracy", "--metric", help="--paired metric: a key of summary.json's final"),
     last: int = typer.Option(0, "--last", help="--paired on the mean of the last K evaluated rounds"),

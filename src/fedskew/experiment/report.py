@@ -213,10 +213,12 @@ def plot_accuracy(
 
 # ---------------------------------------------------------------------------- seed-paired differences
 def select_group(groups: list[Group], name: str) -> Group:
-    """The group named by ``name``: its exact label, else its algorithm name, else a part of its label
-    (the first of these rules that matches anything must match exactly one group)."""
+    """The group named by ``name``: its exact label, else the sweep folder holding its runs
+    (``OUT/<name>/seed<k>``), else its algorithm name, else a part of its label (the first of these rules
+    that matches anything must match exactly one group)."""
     rules = (
         [g for g in groups if g.label == name],
+        [g for g in groups if any(r.path.parent.name == name for r in g.runs)],
         [g for g in groups if g.algorithm == name],
         [g for g in groups if name in g.label],
     )
@@ -229,7 +231,9 @@ def select_group(groups: list[Group], name: str) -> Group:
                 f"--paired '{name}' matches {len(matches)} groups: {labels}; give more of a label"
             )
     labels = "; ".join(f"'{g.label}'" for g in groups)
-    raise FedskewError(f"--paired '{name}': no group's label or algorithm matches; groups: {labels}")
+    raise FedskewError(
+        f"--paired '{name}': no group's label, sweep folder or algorithm matches; groups: {labels}"
+    )
 
 
 def run_value(run: RunResult, key: str = "accuracy", last: int = 0) -> float:
