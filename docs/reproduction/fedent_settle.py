@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import scipy.stats
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.report import Group, Paired, RunResult, run_value, runs_by_folder
@@ -37,13 +36,17 @@ def cell(values: list[float]) -> str:
     return f"{arr.mean():.2f}{spread} [{len(arr)}]"
 
 
+def as_paired(label: str, values: dict[int, float]) -> Paired:
+    """Per-seed values (or differences) with the report's mean, std and 95% t-interval."""
+    return Paired(Group(label), values, 0)
+
+
 def interval(values: list[float]) -> str:
     """95% t-interval of the mean, to set against the paper's 97.24."""
-    arr = np.array(values)
-    if len(arr) < 2:
+    if len(values) < 2:
         return "—"
-    half = float(scipy.stats.t.ppf(0.975, len(arr) - 1)) * arr.std(ddof=1) / np.sqrt(len(arr))
-    return f"[{arr.mean() - half:.2f}, {arr.mean() + half:.2f}]"
+    lo, hi = as_paired("", dict(enumerate(values))).interval
+    return f"[{lo:.2f}, {hi:.2f}]"
 
 
 PHASES = ((1, 10), (11, 25), (26, 50))
@@ -75,7 +78,6 @@ def print_pairs(finished: dict[str, list[RunResult]]) -> None:
     at each rate, each rate against lr 0.01, FedAvg against the paper's FedEnt, and the two solvers."""
     runs = {name: finals(group) for name, group in finished.items()}
     runs.update({f"{m}-lr0.01": v for m, v in TABLE_III_LR001.items()})
-    paper = {seed: PAPER_FEDENT for seed in range(10)}
     pairs = [(f"FedEnt − FedAvg, lr {r}", f"fedent-lr{r}", f"fedavg-lr{r}") for r in ("0.01", "0.03", "0.1")]
     pairs += [
         (f"{m} lr {r} − {m} lr 0.01", f"{m.lower()}-lr{r}", f"{m.lower()}-lr0.01")
@@ -92,16 +94,17 @@ def print_pairs(finished: dict[str, list[RunResult]]) -> None:
     print("\n| comparison | paired seeds | per seed | mean | std | 95% t-interval |")
     print("|---|---|---|---|---|---|")
     for label, left, right in pairs:
-        a, b = runs.get(left, {}), paper if right == "paper" else runs.get(right, {})
+        a = runs.get(left, {})
+        b = dict.fromkeys(a, PAPER_FEDENT) if right == "paper" else runs.get(right, {})
         diffs = {seed: a[seed] - b[seed] for seed in sorted(set(a) & set(b))}
         if not diffs:
             continue
-        p = Paired(Group(label), {k: v / 100 for k, v in diffs.items()}, 0)
+        p = as_paired(label, diffs)
         lo, hi = p.interval
         per_seed = ", ".join(f"{v:+.2f}" for v in diffs.values())
-        std = "—" if p.n < 2 else f"{100 * p.std:.2f}"
-        ci = "—" if p.n < 2 else f"[{100 * lo:+.2f}, {100 * hi:+.2f}]"
-        print(f"| {label} | {p.n} | {per_seed} | {100 * p.mean:+.2f} | {std} | {ci} |")
+        std = "—" if p.n < 2 else f"{p.std:.2f}"
+        ci = "—" if p.n < 2 else f"[{lo:+.2f}, {hi:+.2f}]"
+        print(f"| {label} | {p.n} | {per_seed} | {p.mean:+.2f} | {std} | {ci} |")
 
 
 def unfinished(folder: Path) -> list[str]:
