@@ -10,8 +10,9 @@ the uninterrupted run's: no round lost, no line duplicated, cut or changed.
 Runs are tiny (scikit-learn digits, 8 clients, a small MLP, 6 rounds), so a kill trial costs ~5 s, most of it
 two interpreter start-ups. Kill trials run the real ``fedskew run`` command in a subprocess and SIGKILL its
 main process (as the OOM killer would), at a random instant or inside a checkpoint / ``metrics.jsonl`` write
-(``FEDSKEW_FAULT_WRITE_DELAY`` stretches every write so that the kill lands inside it). The other classes run
-the CLI's ``main`` in this process, with the fault injected by replacing the algorithm or the writer.
+(the forked run's ``runner.write_bytes`` writes half of the chosen write, signals a file and blocks, so the
+kill lands inside it whatever the machine's load). The other classes run the CLI's ``main`` in this process,
+with the fault injected by replacing the algorithm or the writer.
 
     python benchmarks/faults.py                # the full campaign (docs/reliability.md), ~30 min here
     python benchmarks/faults.py --quick        # a few trials per class (the CI test runs this)
@@ -53,7 +54,8 @@ MODES: dict[str, dict[str, Any]] = {
 ROUNDS = 6
 #: summary keys that are wall-clock time, not results (record keys starting with "seconds" likewise)
 SUMMARY_TIMING = ("wall_seconds", "seconds")
-WRITE_DELAY = "0.25"
+#: seconds to wait for an event of a run (a write reached, a file written): only a hung run takes this long
+DEADLINE = 300.0
 
 
 def tiny_config(mode: str, **engine: Any) -> dict[str, Any]:
@@ -144,7 +146,9 @@ class Forked:
     share its process group): the real command without an interpreter start-up per trial. The subset of
     :class:`subprocess.Popen` the trials use; stderr is collected in a file."""
 
-    def __init__(self, argv: list[str], errfile: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, argv: list[str], errfile: Path, env: dict[str, str], setup: Callable[[], None] | None = None
+    ) -> None:
         self.errfile, self.returncode = errfile, None
         sys.stdout.flush()
         sys.stderr.flush()
@@ -155,6 +159,8 @@ class Forked:
                 os.setsid()
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.environ.update(env)
+                if setup is not None:  # a fault injected into this child only
+                    setup()
                 err = os.open(errfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(err, 2)
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
@@ -233,10 +239,12 @@ class Campaign:
             path.write_text(yaml.safe_dump(tiny_config(mode)))
         return path
 
-    def start(self, mode: str, out: Path, *args: str, **env: str) -> Forked:
+    def start(
+        self, mode: str, out: Path, *args: str, setup: Callable[[], None] | None = None, **env: str
+    ) -> Forked:
         argv = ["run", str(self.config_file(mode)), "--out", str(out), *args]
         self.count += 1
-        return Forked(argv, self.work / f"stderr-{self.count}.txt", env)
+        return Forked(argv, self.work / f"stderr-{self.count}.txt", env, setup)
 
     def reference(self, mode: str) -> Results:
         """The uninterrupted run of ``mode`` (a subprocess, as the trials are); its wall time is noted."""
@@ -284,24 +292,9 @@ class Campaign:
         """SIGKILL inside the n-th checkpoint write (``checkpoint``) or ``metrics.jsonl`` append."""
         out = self.folder(f"kill-{what}-{mode}")
         target = self.rng.randint(1, 3 if what == "checkpoint" else ROUNDS)
-        proc = self.start(mode, out, FEDSKEW_FAULT_WRITE_DELAY=WRITE_DELAY)
-        tmp, metrics = out / (runner.CHECKPOINT_FILE + ".tmp"), out / runner.METRICS_FILE
-        seen, inside, deadline = 0, False, time.time() + 120
-        while proc.poll() is None and time.time() < deadline:
-            now = False
-            if what == "checkpoint":
-                now = tmp.exists()
-            else:
-                with contextlib.suppress(OSError):
-                    text = metrics.read_bytes()
-                    now = bool(text) and not text.endswith(b"\n")
-            if now and not inside:
-                seen += 1
-                if seen == target:
-                    break
-            inside = now
-            time.sleep(0.005)
-        landed = proc.poll() is None
+        inside = out.with_name(out.name + ".inside")
+        proc = self.start(mode, out, setup=block_inside_write(WRITTEN[what], target, inside))
+        landed = wait_for_file(inside, proc)
         row = self.row(f"SIGKILL inside a {what} write", mode)
         self.settle_kill(row, mode, proc, out, f"target {target}, landed {landed}")
         if not landed:  # the run ended before the write it was to be killed in: not the fault asked for
@@ -341,10 +334,9 @@ class Campaign:
         """A second run on the folder of a running one is refused (exit 2, one line); after the first is
         SIGKILLed its lock is gone and ``--resume`` finishes the run."""
         out = self.folder(f"lock-{mode}")
-        first = self.start(mode, out, FEDSKEW_FAULT_WRITE_DELAY="0.5")  # still running when the second starts
-        deadline = time.time() + 120
-        while not (out / runner.CONFIG_FILE).exists() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+        inside = out.with_name(out.name + ".inside")  # the first run holds the folder inside its first append
+        first = self.start(mode, out, setup=block_inside_write(WRITTEN["metrics"], 1, inside))
+        wait_for_file(inside, first)
         second = self.start(mode, out, "--resume")
         _, err = second.communicate(timeout=120)
         refused = (
@@ -364,6 +356,42 @@ class Campaign:
             row.notes.append(f"not refused: {err.strip()}")
 
 
+#: the results file each kill-inside-a-write class targets (a checkpoint is written to a temporary name)
+WRITTEN = {"checkpoint": runner.CHECKPOINT_FILE + ".tmp", "metrics": runner.METRICS_FILE}
+
+
+def block_inside_write(name: str, target: int, inside: Path) -> Callable[[], None]:
+    """A child's setup: its ``target``-th write to a file named ``name`` writes half its bytes, creates
+    ``inside`` and blocks until the process is killed, so a kill lands inside that write on any machine."""
+
+    def setup() -> None:
+        write, seen = runner.write_bytes, 0
+
+        def half_then_block(fh: Any, data: bytes) -> None:
+            nonlocal seen
+            if Path(getattr(fh, "name", "")).name == name:
+                seen += 1
+                if seen == target:
+                    write(fh, data[: len(data) // 2])
+                    fh.flush()
+                    inside.touch()
+                    while True:
+                        time.sleep(1.0)
+            write(fh, data)
+
+        runner.write_bytes = half_then_block  # the one writer of results files (runner.write_atomic, appends)
+
+    return setup
+
+
+def wait_for_file(path: Path, proc: Forked) -> bool:
+    """Whether ``path`` appeared while ``proc`` still ran (``False``: it exited first, or hung)."""
+    end = time.monotonic() + DEADLINE
+    while not path.exists() and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.01)
+    return path.exists() and proc.poll() is None
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -371,8 +399,9 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _group_alive(pgid: int, wait: float = 5.0) -> bool:
-    """Whether a process of group ``pgid`` is still alive ``wait`` seconds after its leader died."""
+def _group_alive(pgid: int, wait: float = 60.0) -> bool:
+    """Whether a process of group ``pgid`` is still alive ``wait`` seconds after its leader died (the kernel
+    ends them at once; the wait only has to outlast a loaded machine's scheduling)."""
     deadline = time.time() + wait
     while time.time() < deadline:
         try:
@@ -560,7 +589,7 @@ class InProcess:
             return
         row = self.c.row("corrupted dataset file", "-")
         root = self.c.folder("data")
-        shutil.copytree(src, root / "mnist", ignore=shutil.ignore_patterns(".verified*"))
+        shutil.copytree(src, root / "mnist")
         victim = self.c.rng.choice(sorted((root / "mnist").glob("*.gz")))
         data = bytearray(victim.read_bytes())
         data[self.c.rng.randrange(len(data))] ^= 0x55

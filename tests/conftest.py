@@ -92,3 +92,39 @@ def tiny_context() -> Context:
         seed=0,
         build_model=lambda cid: TinyLinearModel(),
     )
+
+
+# ---------------------------------------------------------------------------- the data root is only read
+def tree_snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``root`` (itself included, links not followed) -> (size, mtime_ns, mode)."""
+    out = {}
+    for folder, dirs, names in os.walk(root):
+        for path in (Path(folder), *(Path(folder) / n for n in dirs + names)):
+            st = path.lstat()
+            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+def tree_changes(before: dict, after: dict) -> list[str]:
+    """Paths created, removed or changed (size, mtime, mode) between two :func:`tree_snapshot` calls."""
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_root_is_only_read(request: pytest.FixtureRequest) -> None:
+    """Fail the session when anything under ``$FEDSKEW_DATA`` was created, changed or removed.
+
+    Tests run as root in CI, where permissions stop no write: the snapshot is the guard. Session-scoped, so
+    each pytest-xdist worker checks the whole tree at its own end.
+    """
+    root = data_root()
+    if root is None or not root.is_dir():
+        return
+    before = tree_snapshot(root)
+
+    def check() -> None:
+        changed = tree_changes(before, tree_snapshot(root))
+        if changed:
+            pytest.fail(f"tests wrote under the data root {root}: {', '.join(changed[:10])}", pytrace=False)
+
+    request.addfinalizer(check)

@@ -1,5 +1,5 @@
 """Frozen backbones and the vision-language pipeline: real EfficientNet-Lite0 weights, precomputed feature
-files, features computed once and cached under the data root."""
+files, features computed once and cached under the cache root (never the data root)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from fedskew.data.base import DATASETS
 from fedskew.data.federated import build_federated
 from fedskew.errors import ConfigError
 from fedskew.models.backbones import BACKBONES
-from fedskew.models.vision_language import VisionLanguageSpec, vision_language_data
+from fedskew.models.vision_language import VisionLanguageSpec, feature_cache, vision_language_data
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Features of these throw-away roots go to a throw-away cache, not ~/.cache."""
+    monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
 def test_efficientnet_lite0_loads_the_imagenet_weights_and_recognises_a_photo(tmp_path):
@@ -63,7 +69,8 @@ def test_the_pipeline_from_pixels_caches_features_and_builds_the_assets(tmp_path
     )
     assert assets["text"].shape == (10, 8)  # image-only backbone: the generated-prototype head
     assert torch.allclose(assets["text"].norm(dim=1), torch.ones(10))
-    cached = sorted(p.name for p in (tmp_path / "features").iterdir())
+    assert not any(tmp_path.iterdir())  # the data root is only read
+    cached = sorted(p.name for p in feature_cache(tmp_path).iterdir())
     assert len(cached) == 4 and all(
         n.startswith("random_cnn-") for n in cached
     )  # train, test, synthetic, protos

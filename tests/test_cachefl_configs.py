@@ -23,6 +23,12 @@ TINY = {
 }
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Decoded images and features of the throw-away root go to a throw-away cache, not ~/.cache."""
+    monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 def tiny_caltech(root: Path, classes: int = 3, per_class: int = 6) -> None:
     """``caltech-101/101_ObjectCategories/<class>/<i>.jpg`` and a CoOp split file (train/val/test)."""
     base = root / "caltech-101" / "101_ObjectCategories"

@@ -14,11 +14,20 @@ from typer.testing import CliRunner
 
 from fedskew.cli import app
 from fedskew.data import images, load_dataset
+from fedskew.data.datasets.imagefolder import image_cache
 from fedskew.errors import ConfigError, DataError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 
 CLASSES = ("cat", "dog", "fox")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Decoded images of these throw-away folders go to a throw-away cache, not ~/.cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("FEDSKEW_CACHE", str(cache))
+    return cache
 
 
 def pixels(label: int, i: int, side: int, grey: bool) -> np.ndarray:
@@ -134,11 +143,12 @@ def test_layout_errors(tmp_path):
         load_dataset("imagefolder", tmp_path, path="flat")
 
 
-def test_cache_is_reused_rebuilt_when_corrupted_and_keyed_by_the_files(tmp_path, monkeypatch):
+def test_cache_is_reused_rebuilt_when_corrupted_and_keyed_by_the_files(tmp_path, monkeypatch, private_cache):
     make_folder(tmp_path / "c")
     first = load_dataset("imagefolder", tmp_path, path="c")
-    cached = list((tmp_path / ".cache").glob("imagefolder-*.pt"))
-    assert len(cached) == 1
+    folder = image_cache(tmp_path / "c")
+    cached = list(folder.glob("imagefolder-*.pt"))
+    assert len(cached) == 1 and folder.is_relative_to(private_cache)
 
     def no_decode(*a, **k):
         raise AssertionError("decoded again despite the cache")
@@ -152,9 +162,11 @@ def test_cache_is_reused_rebuilt_when_corrupted_and_keyed_by_the_files(tmp_path,
     assert torch.equal(rebuilt.x_train, first.x_train)
     Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(tmp_path / "c" / "train" / "cat" / "0.png")
     changed = load_dataset("imagefolder", tmp_path, path="c")
-    assert int(changed.x_train[0].sum()) == 0 and len(list((tmp_path / ".cache").glob("*.pt"))) == 2
+    assert int(changed.x_train[0].sum()) == 0 and len(list(folder.glob("*.pt"))) == 2
+    before = sorted(private_cache.rglob("*"))
     nocache = load_dataset("imagefolder", tmp_path / "r2", path=str(tmp_path / "c"), cache=False)
     assert torch.equal(nocache.x_train, changed.x_train) and not (tmp_path / "r2").exists()
+    assert sorted(private_cache.rglob("*")) == before  # cache: false writes nothing at all
 
 
 def test_list_shows_the_new_sources():

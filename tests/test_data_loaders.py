@@ -39,6 +39,14 @@ def no_network(monkeypatch):
     checksums.forget()
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Stamps and decoded images of these throw-away roots go to a throw-away cache, not ~/.cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("FEDSKEW_CACHE", str(cache))
+    return cache
+
+
 # ------------------------------------------------------------------------------------------ fixture writers
 def write_idx(path: Path, arr: np.ndarray) -> None:
     """IDX (``0 0 0x08 ndim``, big-endian uint32 dims, uint8 data), gzipped."""
@@ -374,12 +382,14 @@ def test_missing_files_name_files_folder_and_settings(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ checksums and cache
-def test_verify_accepts_caches_and_rejects(tmp_path, monkeypatch):
+def test_verify_accepts_caches_and_rejects(tmp_path, monkeypatch, private_cache):
     p = tmp_path / "blob.bin"
     p.write_bytes(b"hello fedskew")
     good = "sha256:" + hashlib.sha256(b"hello fedskew").hexdigest()
     files.verify(p, good)
-    assert json.loads((tmp_path / files.STAMP).read_text())["blob.bin"]["digest"] == good
+    stamp = files.stamp_path(p)
+    assert stamp.is_relative_to(private_cache) and not (tmp_path / files.STAMP).exists()  # not next to it
+    assert json.loads(stamp.read_text())["blob.bin"]["digest"] == good
     checksums.forget()
 
     def no_rehash(*a, **k):
@@ -405,13 +415,13 @@ def test_verify_accepts_recompressed_gzip_by_payload(tmp_path):
         files.verify(p, official, payload_digest="md5:" + "1" * 32)
 
 
-def test_verify_in_memory_when_folder_is_read_only(tmp_path, monkeypatch):
+def test_verify_in_memory_when_the_cache_is_read_only(tmp_path, monkeypatch):
     p = tmp_path / "ro.bin"
     p.write_bytes(b"abc")
     digest = "md5:" + hashlib.md5(b"abc").hexdigest()
     monkeypatch.setattr(files.tempfile, "mkstemp", lambda **k: (_ for _ in ()).throw(PermissionError("ro")))
     files.verify(p, digest)
-    assert not (tmp_path / files.STAMP).exists()
+    assert not files.stamp_path(p).exists() and not (tmp_path / files.STAMP).exists()
     monkeypatch.setattr(files, "file_digest", lambda *a, **k: pytest.fail("rehashed"))
     files.verify(p, digest)  # answered by the in-process memo
 

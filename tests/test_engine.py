@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ from fedskew.engine.sampling import derive_seed, sampling_schedule
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_data, build_simulation, run_experiment
 from fedskew.models.base import count_parameters
+from tests.barrier_run import DEADLINE, ROOT, barrier_env, wait_for_barrier
 from tests.conftest import digits_config
 
 
@@ -192,86 +193,87 @@ def _default_sigint() -> None:
 
 
 def _start_run(
-    cfg: dict, tmp_path: Path, out: Path, min_rounds: int
+    cfg: dict, tmp_path: Path, out: Path, stop_at: int
 ) -> tuple[subprocess.Popen, list[str], dict[str, str]]:
-    """Start ``fedskew run`` on ``cfg`` in its own process group; return once ``min_rounds`` are logged."""
+    """Start ``fedskew run`` on ``cfg`` in its own process group with a barrier (tests/barrier_run.py) at the
+    start of round ``stop_at``; return once the run waits there, rounds 1 .. stop_at - 1 committed. Returns
+    the process, and the plain command and environment (no barrier) to resume with."""
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "fedskew.cli", "run", str(path), "--out", str(out)]
+    args = ["run", str(path), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    events = tmp_path / "barrier"
     proc = subprocess.Popen(
-        cmd,
-        env=env,
+        [sys.executable, "-m", "tests.barrier_run", *args],
+        cwd=ROOT,
+        env=barrier_env(stop_at, events, env),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
         preexec_fn=_default_sigint,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        done = out / "metrics.jsonl"
-        if done.exists() and len(done.read_text().splitlines()) >= min_rounds:
-            break
-        time.sleep(0.05)
-    return proc, cmd, env
+    try:
+        wait_for_barrier(events, proc)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):  # a run stuck at its barrier would stay forever
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc, [sys.executable, "-m", "fedskew.cli", *args], env
 
 
 @pytest.mark.slow
 def test_resume_after_kill_gives_the_same_metrics(tmp_path):
     """Kill a real `fedskew run` process mid-way, resume it, compare with an uninterrupted run."""
-    cfg = digits_config(rounds=8, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
+    cfg = digits_config(rounds=6, checkpoint={"every": 1}, client={"epochs": 3, "batch_size": 8, "lr": 0.05})
     out = tmp_path / "killed"
-    proc, cmd, env = _start_run(cfg, tmp_path, out, min_rounds=3)
+    proc, cmd, env = _start_run(cfg, tmp_path, out, stop_at=4)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     ran = len((out / "metrics.jsonl").read_text().splitlines())
-    assert 3 <= ran < 8, "the run must be killed mid-way"
-    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True)
+    assert ran == 3, "killed in round 4, after round 3's metrics and checkpoint"
+    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert res.returncode == 0, res.stderr
     resumed = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     straight = build_config(cfg)
     run_experiment(straight, tmp_path / "straight")
     expected = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in resumed] == list(range(1, 9))
+    assert [r["round"] for r in resumed] == list(range(1, 7))
     assert _strip_timing(resumed) == _strip_timing(expected)
     s1 = json.loads((out / "summary.json").read_text())
     s2 = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert s1["final"] == s2["final"] and s1["bytes_up"] == s2["bytes_up"]
 
 
-#: rounds of the Ctrl-C run: enough that the signal lands mid-run even when the test process is starved
-#: of CPU by a parallel test session (8 rounds once finished before the signal on a loaded 2-core machine)
-ROUNDS_CTRL_C = 16
-
-
 @pytest.mark.slow
 def test_ctrl_c_with_workers_exits_130_stops_them_and_resumes_to_the_same_metrics(tmp_path):
-    """Ctrl-C (SIGINT to the process group) mid-run: exit 130 with a one-line message, no worker left
-    behind, and ``--resume`` finishes with the uninterrupted run's metrics."""
+    """Ctrl-C (SIGINT to the process group) while the workers train round 3: exit 130 with a one-line
+    message, no worker left behind, and ``--resume`` finishes with the uninterrupted run's metrics."""
     cfg = digits_config(
-        rounds=ROUNDS_CTRL_C,
+        rounds=4,
         checkpoint={"every": 1},
         client={"epochs": 3, "batch_size": 8, "lr": 0.05},
         engine={"workers": 2, "mode": "sequential"},
     )
     out = tmp_path / "interrupted"
-    proc, cmd, env = _start_run(cfg, tmp_path, out, min_rounds=2)
+    proc, cmd, env = _start_run(cfg, tmp_path, out, stop_at=3)  # the barrier holds a worker, not the parent
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=DEADLINE)
     ran = len((out / "metrics.jsonl").read_text().splitlines())
-    assert proc.returncode == 130 and "continue with --resume" in err, (proc.returncode, ran, err)
-    assert 2 <= ran < ROUNDS_CTRL_C, "the run must be interrupted mid-way"
-    with pytest.raises(ProcessLookupError):  # the whole group (parent and workers) is gone
-        for _ in range(100):
-            os.killpg(proc.pid, 0)
-            time.sleep(0.05)
-    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 130 and err.strip().splitlines() == [
+        "interrupted: progress kept in the checkpoint; continue with --resume"
+    ], (proc.returncode, ran, err)
+    assert ran == 2 and torch.load(out / "checkpoint.pt", weights_only=True)["round"] == 2
+    # the parent stops and reaps its workers before it exits, so nothing of the group is left by now
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    res = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert res.returncode == 0, res.stderr
     resumed = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     run_experiment(build_config(cfg), tmp_path / "straight")
     expected = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in resumed] == list(range(1, ROUNDS_CTRL_C + 1))
+    assert [r["round"] for r in resumed] == list(range(1, 5))
     assert _strip_timing(resumed) == _strip_timing(expected)
 
 

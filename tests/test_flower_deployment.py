@@ -17,7 +17,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +26,10 @@ pytest.importorskip("flwr")
 
 from fedskew.experiment.config import build_config, load_config
 from fedskew.experiment.runner import run_experiment
+from fedskew.flower import deploy
 from fedskew.flower.apps import Job
 from fedskew.flower.deploy import LocalDeployment, deployment_pids
+from tests.barrier_run import arrived, barrier_app
 from tests.flower_keys import write_node_key, write_tls
 from tests.test_flower import assert_same_metrics, embedded, flower_config, records
 
@@ -63,17 +65,36 @@ def _lines(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for_round(dep: LocalDeployment, run_id: int, out: Path, n: int) -> None:
-    """Block until ``out/metrics.jsonl`` holds ``n`` rounds (the run must still be going: its status is asked
-    every 2 s, since each ask costs the SuperLink an authenticated request)."""
+def _wait_for(dep: LocalDeployment, run_id: int, reached: Callable[[], bool], what: str) -> None:
+    """Block until ``reached()`` (the run must still be going: its status is asked every 2 s, since each ask
+    costs the SuperLink an authenticated request); ``DEADLINE`` only catches a hang."""
     end, asked = time.monotonic() + DEADLINE, 0.0
-    while _lines(out) < n:
+    while not reached():
         if time.monotonic() - asked > 2.0:
             status, details = dep.status(run_id)
-            assert not status.startswith("finished"), f"run {run_id} {status} before round {n}: {details}"
+            assert not status.startswith("finished"), f"run {run_id} {status} before {what}: {details}"
             asked = time.monotonic()
-        assert time.monotonic() < end, f"round {n} not reached within {DEADLINE} s"
+        assert time.monotonic() < end, f"{what} not reached within {DEADLINE} s"
         time.sleep(0.1)
+
+
+def _wait_for_round(dep: LocalDeployment, run_id: int, out: Path, n: int) -> None:
+    """Block until ``out/metrics.jsonl`` holds ``n`` rounds."""
+    _wait_for(dep, run_id, lambda: _lines(out) >= n, f"round {n}")
+
+
+def _submit_with_barrier(
+    dep: LocalDeployment, job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, round_: int, **options
+) -> tuple[int, list[int]]:
+    """Submit ``job`` as a Flower app whose processes stop at a barrier (tests/barrier_run.py) in round
+    ``round_``; return the run id and the pids at the barrier once one process is there."""
+    events = tmp_path / "barrier"
+    app = barrier_app(tmp_path / "barrier-app", round_, events, **options)
+    with monkeypatch.context() as m:
+        m.setattr(deploy, "APP_DIR", app)
+        run_id = dep.submit([job])
+    _wait_for(dep, run_id, lambda: bool(arrived(events)), f"the barrier of round {round_}")
+    return run_id, arrived(events)
 
 
 def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_unregistered_node(
@@ -103,14 +124,17 @@ def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_
 
 
 def test_a_supernode_killed_mid_round_loses_its_clients_for_the_round_and_serves_again_after_a_restart(
-    federation, tmp_path
+    federation, tmp_path, monkeypatch
 ):
     dep, out = federation.dep, tmp_path / "out"
     raw = flower_config("fedavg", rounds=4, round_timeout=120)
     raw["client"]["fraction"] = 1.0
-    run_id = dep.submit([_job(raw, out)])
-    _wait_for_round(dep, run_id, out, 1)
-    dep.kill("supernode-1", signal.SIGKILL)  # round 2's message is on its way: the node dies with it
+    # node 1 (clients 1 and 4) waits with round 2's message at a barrier: the kill lands there
+    run_id, _ = _submit_with_barrier(
+        dep, _job(raw, out), tmp_path, monkeypatch, 2, hook="start_local", cids=[1, 4], once=True
+    )
+    assert _lines(out) == 1
+    dep.kill("supernode-1", signal.SIGKILL)
     _wait_for_round(dep, run_id, out, 2)
     dep.start_node(1)  # same key, same Flower node id: it serves again once its heartbeat is current
     dep.wait(run_id, timeout=DEADLINE)
@@ -133,18 +157,17 @@ def _server_apps(dep: LocalDeployment) -> list[int]:
 
 
 def test_a_server_app_killed_mid_run_resumes_from_its_checkpoint_with_the_clients_states(
-    federation, tmp_path
+    federation, tmp_path, monkeypatch
 ):
     dep, out = federation.dep, tmp_path / "out"
     raw = flower_config("scaffold", rounds=2)
     raw["checkpoint"] = {"every": 1}
     reference = embedded(raw, tmp_path / "e")
-    run_id = dep.submit([_job(raw, out)])
-    _wait_for_round(dep, run_id, out, 1)
-    victims = _server_apps(dep)
-    assert victims, "no ServerApp process found"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)  # round 2 is being trained on the nodes, from round 1's variates
+    # the ServerApp waits at round 2's aggregation: the nodes have trained round 2 from round 1's variates
+    # (their new states are saved) and the checkpoint holds round 1
+    run_id, (victim,) = _submit_with_barrier(dep, _job(raw, out), tmp_path, monkeypatch, 2, hook="aggregate")
+    assert victim in _server_apps(dep) and _lines(out) == 1
+    os.kill(victim, signal.SIGKILL)
     dep.stop(run_id)  # what an operator does on a crash: the nodes drop the dead run's messages at once
     dep.run([_job(raw, out, resume=True)])  # a new Flower run; the nodes' state folders keep the variates
     assert_same_metrics(records(out), reference)

@@ -25,6 +25,7 @@ from fedskew.experiment.sweep import (
     plan_sweep,
 )
 from fedskew.experiment.sweep_pool import run_sweep
+from tests.barrier_run import DEADLINE, ROOT, barrier_env, wait_for_barrier
 from tests.conftest import digits_config
 from tests.test_cli import fedskew
 
@@ -169,27 +170,35 @@ def test_the_workers_of_a_killed_sweep_die_with_it(tmp_path):
     configs = write_configs(tmp_path)
     for path in configs:
         raw = yaml.safe_load(path.read_text())
-        path.write_text(yaml.safe_dump({**raw, "rounds": 500}))
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fedskew.cli", "sweep", *map(str, configs), "--jobs", "2", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        path.write_text(yaml.safe_dump({**raw, "rounds": 3}))
+    out, events = tmp_path / "out", tmp_path / "barrier"
+    args = ["sweep", *map(str, configs), "--jobs", "2", "--out", str(out)]
+    proc = subprocess.Popen(  # each run waits in its round 2 (tests/barrier_run.py)
+        [sys.executable, "-m", "tests.barrier_run", *args],
+        cwd=ROOT,
+        env=barrier_env(2, events),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 120
-        while not list(out.glob("*/seed0/metrics.jsonl")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        workers = _children(proc.pid)
-        assert len(workers) >= 2  # the pool's workers (and its resource tracker)
+        running = wait_for_barrier(events, proc, count=2)  # both runs, one in each worker
+        workers = _children(proc.pid)  # the pool's workers and its resource tracker
+        assert set(running) <= workers
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        deadline = time.monotonic() + 30
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [w for w in workers if _alive(w)]
+        end = time.monotonic() + DEADLINE  # a safety deadline: the kernel kills them at once
+        while alive := [w for w in workers if _alive(w)]:
+            assert time.monotonic() < end, f"processes {alive} outlived their sweep"
+            time.sleep(0.05)
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.communicate()
     outcome = run_sweep(plan_sweep(configs, out, [0]), jobs=1, listener=InterruptAt())
-    assert outcome.interrupted and not outcome.failed  # resumed from a checkpoint, then stopped by us
+    assert outcome.interrupted and not outcome.failed
+    # resumed after the killed sweep's round 1, then stopped by InterruptAt at its first round event
+    assert [r["round"] for r in metrics(outcome.interrupted[0].folder)] == [1, 2]
 
 
 def test_dry_run_lists_runs_with_their_state(tmp_path):

@@ -33,7 +33,13 @@ from fedskew.experiment.runner import vision_language_spec
 from fedskew.models import MODELS
 from fedskew.models.backbones import BACKBONES, to_backbone_input
 from fedskew.models.backbones.efficientnet_lite import MEAN, STD
-from fedskew.models.vision_language import encode_cached, normalize, synthetic_set, text_embeddings
+from fedskew.models.vision_language import (
+    encode_cached,
+    feature_cache,
+    normalize,
+    synthetic_set,
+    text_embeddings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/cachefl/mnist-iid.yaml"
@@ -55,7 +61,7 @@ def cachefl_target(config: Path, class_names: list[str]) -> GradientTarget:
     spec = vision_language_spec(cfg.data.vision_language)
     root = resolve_root(cfg.data.root)
     backbone = BACKBONES.get(spec.backbone)(root, **spec.backbone_options)
-    size, cache_dir = spec.image_size or backbone.image_size, root / "features"
+    size, cache_dir = spec.image_size or backbone.image_size, feature_cache(root)
     images, labels, rows = synthetic_set(spec, class_names, size, spec.seed)
     keys = normalize(encode_cached(backbone, images, "synthetic", rows, cache_dir)).requires_grad_(True)
     text = text_embeddings(spec, backbone, class_names, size, cache_dir)

@@ -1,27 +1,43 @@
-"""Golden results: the final metrics of every registered algorithm on small fixed digits configs.
+"""Golden results: the metrics of every registered algorithm on small fixed digits configs.
 
-``python -m tests.golden.cases --record`` rewrites ``results.json`` from the current code. The golden test
-(tests/test_golden.py) re-runs every case in the sequential mode and asserts bit-equal metrics, so an engine
-or contract refactor that changes any number is caught; a deliberate change is re-recorded and explained.
+``python -m tests.golden.cases --record`` re-records ``results.json`` in a process pinned to AVX2 (see
+``tests/golden/isa.py``) and re-derives ``tolerances.json`` from the drift between that run and the other
+kernel choices of an x86-64 CPU (``isa.VARIANTS``). The golden test (tests/test_golden.py) runs every case
+twice: pinned, where the metrics must equal the record bit for bit, and with the machine's native kernels,
+where they must stay within the measured drift. A deliberate change re-records and is explained.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from fedskew.algorithms import ALGORITHMS
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 from tests.conftest import VL_WORLD, digits_config
+from tests.golden import isa
 
-RESULTS = Path(__file__).with_name("results.json")
+HERE = Path(__file__).parent
+RESULTS = HERE / "results.json"
+TOLERANCES = HERE / "tolerances.json"
+REPO = HERE.parent.parent
 #: wall-clock fields: not results
 TIMING = ("seconds",)
+#: a tolerance is this many times the largest drift measured between kernel variants
+SAFETY = 10.0
+#: relative slack on every float, for drift that no measured variant showed (another CPU or architecture)
+REL_FLOOR = 1e-7
+
+Records = list[dict[str, Any]]
 
 
 def _personal(name: str) -> bool:
@@ -68,32 +84,115 @@ def case_names() -> list[str]:
     return [*package, "fedproto-hetero", "local-hetero", "moon-hetero"]
 
 
-def run_case(name: str, out: Path | None = None) -> list[dict[str, Any]]:
-    """Run a case and return its metrics records without timing fields."""
-    torch.set_num_threads(1)
-    out_dir = out
-    run_experiment(build_config(case_config(name)), out_dir)
-    assert out_dir is not None
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+def run_case(name: str, out: Path) -> Records:
+    """Run a case in this process and return its metrics records without timing fields."""
+    isa.apply_in_process_pin()
+    run_experiment(build_config(case_config(name)), out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
-def main() -> None:
-    import tempfile
+def run_cases(env: dict[str, str], names: Iterable[str] | None = None) -> dict[str, Any]:
+    """Run cases in a fresh process with environment ``env`` (the kernel choices are made at ``import
+    torch``); returns ``{"environment": ..., "cases": {name: records}}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "runs.json"
+        cmd = [sys.executable, "-m", "tests.golden.cases", "--emit", str(out), *(names or [])]
+        subprocess.run(cmd, env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
+
+def _drift(got: Any, want: Any) -> float:
+    """Largest absolute difference between two metric values (lists elementwise); ``inf`` if incomparable."""
+    if isinstance(want, list):
+        if not isinstance(got, list) or len(got) != len(want):
+            return math.inf
+        return max((_drift(g, w) for g, w in zip(got, want, strict=True)), default=0.0)
+    if isinstance(want, bool) or not isinstance(want, int | float):
+        return 0.0 if got == want else math.inf
+    if isinstance(got, bool) or not isinstance(got, int | float):
+        return math.inf
+    return abs(got - want)
+
+
+def _floats_in(value: Any) -> float:
+    """The largest magnitude among a value's floats (0 when it holds none: integers compare exactly)."""
+    if isinstance(value, list):
+        return max((_floats_in(v) for v in value), default=0.0)
+    return abs(value) if isinstance(value, float) else 0.0
+
+
+def mismatches(got: Records, want: Records, tol: dict[str, float] | None) -> list[str]:
+    """What differs between two runs of a case: bit for bit when ``tol`` is None, else within
+    ``tol[metric] + REL_FLOOR * |recorded|`` (a metric not in ``tol`` drifted in no measured variant)."""
+    if len(got) != len(want):
+        return [f"{len(got)} evaluated rounds, recorded {len(want)}"]
+    found = []
+    for g, w in zip(got, want, strict=True):
+        if g.keys() != w.keys():
+            found.append(f"round {w['round']}: keys {sorted(g.keys() ^ w.keys())} differ")
+            continue
+        for key, want_value in w.items():
+            if tol is None:
+                bad = g[key] != want_value
+            else:
+                bad = _drift(g[key], want_value) > tol.get(key, 0.0) + REL_FLOOR * _floats_in(want_value)
+            if bad:
+                allowed = "" if tol is None else f" (allowed drift {tol.get(key, 0.0):.3g})"
+                found.append(f"round {w['round']}: {key} {g[key]!r} != recorded {want_value!r}{allowed}")
+    return found
+
+
+def derive_tolerances(reference: dict[str, Records], variants: dict[str, dict[str, Records]]) -> dict:
+    """Per case and metric: SAFETY x the largest drift of any variant from the pinned reference."""
+    cases: dict[str, dict[str, float]] = {}
+    for name, want in reference.items():
+        worst: dict[str, float] = {}
+        for runs in variants.values():
+            for g, w in zip(runs[name], want, strict=True):
+                for key in w:
+                    drift = _drift(g.get(key), w[key])
+                    if drift > 0:
+                        worst[key] = max(worst.get(key, 0.0), SAFETY * drift)
+        cases[name] = dict(sorted(worst.items()))
+    return cases
+
+
+def record() -> None:
+    """Re-record the pinned results and re-derive the tolerances (about a minute on 2 cores)."""
+    pinned = run_cases(isa.pinned_env())
+    pinned["environment"]["cpu"] = isa.cpu_description()
+    variants = {name: run_cases({**os.environ, **env})["cases"] for name, env in isa.VARIANTS.items()}
+    RESULTS.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+    tolerances = {
+        "safety": SAFETY,
+        "rel_floor": REL_FLOOR,
+        "variants": isa.VARIANTS,
+        "measured_on": isa.cpu_description(),
+        "cases": derive_tolerances(pinned["cases"], variants),
+    }
+    TOLERANCES.write_text(json.dumps(tolerances, indent=1, sort_keys=True) + "\n")
+    for name, tol in tolerances["cases"].items():
+        print(f"{name:16s} " + ", ".join(f"{k} {v:.2g}" for k, v in tol.items()))
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--record", action="store_true", help="rewrite results.json")
+    ap.add_argument("--record", action="store_true", help="rewrite results.json and tolerances.json")
+    ap.add_argument("--emit", type=Path, help="run the cases in this process, write their records here")
     ap.add_argument("cases", nargs="*")
     args = ap.parse_args()
-    names = args.cases or case_names()
-    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            results[name] = run_case(name, Path(tmp) / name)
-            print(name, results[name][-1].get("accuracy"))
     if args.record:
-        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        record()
+        return
+    names = args.cases or case_names()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: run_case(name, Path(tmp) / name) for name in names}
+    result = {"environment": isa.environment(), "cases": runs}
+    if args.emit:
+        args.emit.write_text(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

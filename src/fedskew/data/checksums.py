@@ -1,7 +1,9 @@
 """Checksum verification of the files under the data root, cached so repeated loads never rehash.
 
-Checksums are ``"md5:<hex>"`` or ``"sha256:<hex>"``. A pass is recorded in a ``.verified.json`` stamp next to
-the file (keyed by size + mtime), or only in memory when the folder is read-only.
+Checksums are ``"md5:<hex>"`` or ``"sha256:<hex>"``. A pass is recorded in a stamp in the cache, never next
+to the file (the data root is only read): ``verified.json`` in the :func:`~fedskew.data.cache.derived_dir` of
+the file's resolved folder, one entry per file name with its size + mtime. Where the cache is unwritable the
+pass is kept only in memory.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ import gzip
 import hashlib
 import json
 import os
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from fedskew.data.cache import derived_dir, save_json_atomic
 from fedskew.errors import DataError
 
-STAMP = ".verified.json"
+#: the stamp file's name inside the cache folder of the verified files' folder
+STAMP = "verified.json"
 _CHUNK = 1 << 20
 _MEMO: set[tuple[str, int, int, str]] = set()  # (abs path, size, mtime_ns, digest) verified in-process
 _COLD = False  # while set, passes are not looked up (see cold_verification)
@@ -65,16 +68,26 @@ def _stamp_key(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), st.st_size, st.st_mtime_ns
 
 
+def stamp_path(path: str | os.PathLike) -> Path:
+    """The stamp file that records passes of ``path`` (in the cache, keyed by the file's resolved folder)."""
+    return derived_dir(Path(path).resolve().parent, STAMP)
+
+
+def _stamp_table(stamp: Path) -> dict:
+    try:
+        table = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
 def _stamp_lookup(path: Path, digests: Sequence[str]) -> bool:
     if _COLD:
         return False
     key = _stamp_key(path)
     if any((*key, d) in _MEMO for d in digests):
         return True
-    try:
-        entry = json.loads((path.parent / STAMP).read_text()).get(path.name)
-    except (OSError, ValueError, AttributeError):
-        return False
+    entry = _stamp_table(stamp_path(path)).get(Path(key[0]).name)
     return (
         isinstance(entry, dict)
         and entry.get("size") == key[1]
@@ -86,21 +99,12 @@ def _stamp_lookup(path: Path, digests: Sequence[str]) -> bool:
 def _stamp_record(path: Path, digest: str) -> None:
     key = _stamp_key(path)
     _MEMO.add((*key, digest))
-    stamp = path.parent / STAMP
-    try:
-        try:
-            table = json.loads(stamp.read_text())
-            table = table if isinstance(table, dict) else {}
-        except (OSError, ValueError):
-            table = {}
-        table[path.name] = {"size": key[1], "mtime_ns": key[2], "digest": digest}
-        # write-then-rename so concurrent loaders never read half a stamp
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verified-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, stamp)
-    except OSError:
-        pass  # read-only folder: the in-memory memo still spares rehashing in this process
+    stamp = stamp_path(path)
+    table = _stamp_table(stamp)
+    table[Path(key[0]).name] = {"size": key[1], "mtime_ns": key[2], "digest": digest}
+    # write-then-rename so concurrent loaders never read half a stamp; an unwritable cache leaves only the
+    # in-memory memo, which still spares rehashing in this process
+    save_json_atomic(stamp, table)
 
 
 def verify(path: str | os.PathLike, digest: str, *, payload_digest: str | None = None) -> None:

@@ -5,8 +5,11 @@ distribution format, e.g. ``mnist/train-images-idx3-ubyte.gz``, official checksu
 only knows how to check and fetch them. Checksums are the MD5s the official sources publish (torchvision
 uses the same values). For gzipped files we also accept the MD5 of the *decompressed* payload: mirrors
 often re-compress the files (the gzip header then differs) while the data is byte-identical. Verification
-results are cached in a ``.verified.json`` stamp next to the files (keyed by size + mtime), or in memory
-when the folder is read-only, so repeated loads never rehash.
+results are cached in a stamp under the cache root (keyed by the file's resolved path, size and mtime; see
+:mod:`fedskew.data.checksums`), or in memory when the cache is unwritable, so repeated loads never rehash.
+
+The data root is only read, with one exception: downloading missing files (:func:`fetch`, when allowed)
+writes them into the root, their documented home. Everything derived from the files goes to the cache.
 """
 
 from __future__ import annotations
@@ -23,10 +26,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedskew.data.checksums import STAMP, file_digest, verify
+from fedskew.data.checksums import STAMP, file_digest, stamp_path, verify
 from fedskew.errors import DataError
 
-__all__ = ["FILES", "STAMP", "DatasetFiles", "FileSpec", "ensure", "fetch", "file_digest", "verify"]
+__all__ = [
+    "FILES",
+    "STAMP",
+    "DatasetFiles",
+    "FileSpec",
+    "ensure",
+    "fetch",
+    "file_digest",
+    "stamp_path",
+    "verify",
+]
 
 #: Opens a URL; tests replace it (``monkeypatch.setattr(files, "URLOPEN", fake)``): no network in tests.
 URLOPEN: Callable = urllib.request.urlopen
@@ -149,6 +162,7 @@ def _missing_message(name: str, spec: DatasetFiles, root: Path, missing: Sequenc
 def fetch(name: str, root: str | os.PathLike, *, timeout: float | None = None) -> Path:
     """Download dataset ``name``'s official files into ``root`` and verify them; returns its folder.
 
+    The one write that targets the data root (missing files only; the archive is a temporary in the root).
     Offline (or with ``FEDSKEW_OFFLINE=1``) this raises ``DataError`` naming the expected files and the
     folder. The opener is :data:`URLOPEN`, which tests replace.
     """
@@ -205,7 +219,8 @@ def _try_urls(f: FileSpec, dest: Path, timeout: float) -> None:
 def ensure(name: str, root: str | os.PathLike, *, verify_files: bool = True, download: bool = True) -> Path:
     """Make sure dataset ``name``'s files are under ``root`` (downloading when allowed), verified.
 
-    Returns the dataset folder. Files without a published checksum are left to the parsers' checks.
+    Returns the dataset folder. Files without a published checksum are left to the parsers' checks. Only a
+    download (missing files, ``download=True``) writes into ``root``; verification stamps go to the cache.
     """
     root = Path(root).expanduser()
     spec = FILES[name]

@@ -50,7 +50,7 @@ class VisionLanguageConfig(Strict):
     text_head: str = Field("auto", description="auto | encoder | prototypes (generated-prototype head)")
     seed: int = Field(0, description="generator seed (one synthetic set per dataset, not per run seed)")
     image_size: int | None = Field(None, ge=8, description="generator resolution; default the backbone's")
-    cache: bool = Field(True, description="keep features on disk under <data root>/features")
+    cache: bool = Field(True, description="keep features on disk under $FEDSKEW_CACHE (never the data root)")
 
 
 class DataConfig(Strict):

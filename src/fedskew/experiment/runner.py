@@ -12,8 +12,8 @@ checkpoint's history on resume, so a line cut by a kill never survives. A proces
 ``flock`` on ``.lock`` while it writes a folder (the kernel releases it when the process dies). A failed
 write (disk full) stops the run with one line and leaves every file as it was.
 
-``FEDSKEW_FAULT_WRITE_DELAY`` (seconds; set only by ``benchmarks/faults.py``) pauses every write half-way,
-so that the fault-injection campaign's kills land inside writes.
+Every byte of a results file goes through :func:`write_bytes`, the one place the fault-injection campaign
+(``benchmarks/faults.py``) replaces in its forked runs to kill them inside a write.
 """
 
 from __future__ import annotations
@@ -172,14 +172,6 @@ def write_bytes(fh: io.RawIOBase | io.BufferedIOBase, data: bytes) -> None:
     """The one place the bytes of every results file are written (fault injection replaces it); an
     unbuffered file may take fewer bytes a call, so the rest is written until none is left."""
     view = memoryview(data)
-    delay = float(os.environ.get("FEDSKEW_FAULT_WRITE_DELAY") or 0)
-    if delay > 0:  # fault-injection campaign only: stretch the write so that a kill can land inside it
-        half = view[: len(view) // 2]
-        while half:
-            half = half[fh.write(half) or 0 :]
-        fh.flush()
-        time.sleep(delay)
-        view = view[len(view) // 2 :]
     while view:
         view = view[fh.write(view) or 0 :]
 

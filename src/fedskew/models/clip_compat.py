@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import sys
 import types
+import warnings
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -25,6 +27,9 @@ from fedskew.errors import ConfigError
 TRANSFORM_NAMES = ("Normalize", "Compose", "RandomResizedCrop", "ToTensor", "Resize", "CenterCrop",
                    "ColorJitter", "Grayscale")  # fmt: skip
 MESSAGE = "torchvision is not available: fedskew preprocesses image tensors itself (to_backbone_input)"
+#: the open-clip-torch release the stand-in and the CLIP tests are run against (``make`` installs it); the
+#: stand-in mirrors that release's torchvision imports, so another release is warned about, not refused
+TESTED_OPEN_CLIP = "3.3."
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -118,4 +123,9 @@ def _import() -> types.ModuleType:
         raise ConfigError(
             f"backbone 'open_clip' needs the open-clip-torch package (pip install 'fedskew[clip]'): {err}"
         ) from None
+    version = metadata.version("open-clip-torch")
+    if not version.startswith(TESTED_OPEN_CLIP):
+        warnings.warn(
+            f"open-clip-torch {version} is untested with fedskew (tested: {TESTED_OPEN_CLIP}x)", stacklevel=3
+        )
     return open_clip

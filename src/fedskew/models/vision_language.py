@@ -2,9 +2,9 @@
 synthetic set and the class text embeddings (CacheFL, Algorithm 1 lines 1–4 and 11–12).
 
 :func:`vision_language_data` replaces the images of a :class:`FederatedData` by L2-normalised backbone
-features (computed once, cached on disk under ``<data root>/features``) and attaches, in
-``dataset.meta["assets"]``, the tensors a vision-language method is built from (the engine hands them to
-the algorithm as ``Context.assets``):
+features (computed once and cached on disk in :func:`feature_cache`, under the cache root: the data root is
+only read) and attaches, in ``dataset.meta["assets"]``, the tensors a vision-language method is built from
+(the engine hands them to the algorithm as ``Context.assets``):
 
 * ``cache_x`` ``[N·K, C]``: normalised features of the generator's K images per class, class-major (the
   cache keys W1ᵀ of Eq. 3), and ``cache_y`` ``[N·K]`` their labels (W2 of Eq. 4 as indices);
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew.data.cache import derived_dir, load_saved, save_atomic
 from fedskew.data.federated import FederatedData
 from fedskew.data.generators import generate
 from fedskew.errors import ConfigError
@@ -59,7 +60,7 @@ class VisionLanguageSpec:
     text_head: str = "auto"
     seed: int = 0  # the generator's seed: one fixed synthetic set per dataset, whatever the run's seed
     image_size: int | None = None  # generator resolution; default the backbone's input size
-    cache: bool = True  # keep features on disk under <root>/features
+    cache: bool = True  # keep features on disk in feature_cache(root) (the cache root, not the data root)
 
 
 def class_prompts(template: str, names: list[str]) -> list[str]:
@@ -75,24 +76,29 @@ def _digest(images: Tensor) -> str:
     return hashlib.sha1(images.contiguous().numpy().tobytes()).hexdigest()
 
 
+def feature_cache(root: Path) -> Path:
+    """Where the features of data root ``root``'s images are kept: its cache folder (keyed by the root's
+    resolved path, under ``$FEDSKEW_CACHE``), never the data root itself."""
+    return derived_dir(root, "features")
+
+
 def encode_cached(
     backbone: Backbone, images: Tensor, split: str, rows: Tensor | None, cache_dir: Path | None
 ) -> Tensor:
     """``backbone.encode_images`` of ``images``, read from / written to ``cache_dir`` when the backbone has a
-    fingerprint (the key covers the backbone, the split and the image bytes)."""
+    fingerprint (the key covers the backbone, the split and the image bytes). An unreadable cache file is
+    re-encoded; an unwritable ``cache_dir`` only disables the cache."""
     fp = backbone.fingerprint()
     if cache_dir is None or fp is None or images.shape[0] == 0:
         return _encode(backbone, images, split, rows)
     key = json.dumps({"backbone": fp, "split": split, "images": _digest(images)}, sort_keys=True)
     path = cache_dir / f"{fp['name']}-{split}-{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+    hit = load_saved(path)
+    if isinstance(hit, Tensor) and hit.dim() == 2 and hit.shape[0] == images.shape[0]:
+        return hit
     feats = _encode(backbone, images, split, rows)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(feats, tmp)
-    tmp.replace(path)
-    log.info("cached %s features of %d images in %s", split, images.shape[0], path)
+    if save_atomic(path, feats):
+        log.info("cached %s features of %d images in %s", split, images.shape[0], path)
     return feats
 
 
@@ -142,7 +148,7 @@ def vision_language_data(fed: FederatedData, spec: VisionLanguageSpec, root: Pat
     """``fed`` with images replaced by normalised backbone features and the assets attached (module doc)."""
     backbone = BACKBONES.get(spec.backbone)(root, **spec.backbone_options)
     ds = fed.dataset
-    cache_dir = root / "features" if spec.cache else None
+    cache_dir = feature_cache(root) if spec.cache else None
     size = spec.image_size or backbone.image_size
     names = ds.class_names
     used = [*fed.train_idx, *(fed.val_idx or [])]

@@ -3,7 +3,8 @@
 Shared by Office-Caltech-10 and DomainNet: each domain is an image folder with a fixed class list, split
 by ``<domain>/{train,test}/`` folders, by DomainNet-style ``<domain>_train.txt`` / ``_test.txt`` lists, or
 else by a seeded per-(domain, class) split. Images are resized to a square side, RGB, and normalised with
-ImageNet statistics (the encoders these datasets feed are ImageNet-pretrained).
+ImageNet statistics (the encoders these datasets feed are ImageNet-pretrained). Decoded images are cached
+under the cache root (``image_cache`` of the dataset folder), never in the data root.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from fedskew.data import files
 from fedskew.data.arrays import stratified_split
 from fedskew.data.base import Dataset
-from fedskew.data.datasets.imagefolder import CACHE_DIR, image_dataset
+from fedskew.data.datasets.imagefolder import image_cache, image_dataset
 from fedskew.data.images import list_images
 from fedskew.errors import ConfigError, DataError, did_you_mean
 
@@ -135,7 +136,7 @@ def load_domains(
         list(spec.classes),
         size=size,
         mode="RGB",
-        cache_dir=Path(root) / CACHE_DIR if cache else None,
+        cache_dir=image_cache(base, cache),
         norm=IMAGENET_NORM,
         domains=d_ids,
         domain_names=chosen,

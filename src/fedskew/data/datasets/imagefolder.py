@@ -9,7 +9,8 @@ Two layouts (class names come from the folder names, or from the split file):
   other ``split_zhou_*.json`` of the CacheFL datasets), ``{"train": [[relpath, label, classname], ...],
   "val": [...], "test": [...]}`` with paths relative to FOLDER. ``val`` is ignored unless ``val_to_train``.
 
-Images are decoded once with Pillow and cached as one ``uint8`` tensor file under ``<root>/.cache`` (see
+Images are decoded once with Pillow and cached as one ``uint8`` tensor file in the cache folder of the image
+folder (:func:`image_cache`, under ``$FEDSKEW_CACHE``; never in the data root, which is only read; see
 :mod:`fedskew.data.images`). Normalisation uses the exact per-channel statistics of the training images.
 """
 
@@ -24,11 +25,13 @@ from torch import Tensor
 
 from fedskew.data.arrays import exact_norm
 from fedskew.data.base import DATASETS, Dataset
+from fedskew.data.cache import derived_dir
 from fedskew.data.images import cached_images, check_mode, check_size, list_images
 from fedskew.errors import ConfigError, DataError
 
 Norm = tuple[tuple[float, ...], tuple[float, ...]]
-CACHE_DIR = ".cache"
+#: sub-folder of a source folder's cache folder that holds its decoded image sets
+IMAGE_CACHE = "images"
 _LAYOUT = "FOLDER/{train,test}/<class>/<image>, or FOLDER/<class>/<image> with data.options.split_file"
 
 
@@ -40,6 +43,12 @@ def resolve(root: Path, value: str | None, option: str, dataset: str) -> Path:
         )
     path = Path(value).expanduser()
     return path if path.is_absolute() else Path(root) / path
+
+
+def image_cache(folder: Path, cache: bool = True) -> Path | None:
+    """Where decoded images of ``folder`` are cached (``None`` with ``cache=False``): keyed by the folder's
+    resolved path under the cache root, so the data root is never written and two roots never collide."""
+    return derived_dir(folder, IMAGE_CACHE) if cache else None
 
 
 def class_folders(folder: Path) -> list[str]:
@@ -178,8 +187,8 @@ def imagefolder(
     ``path`` (and ``split_file``) are relative to the data root unless absolute. ``size`` resizes to a
     square side (needed when the images differ in size); ``mode`` ``L`` or ``RGB`` forces grey or colour
     (default: grey when every image is grey). ``val_to_train`` appends the split file's ``val`` entries to
-    training (default: ignored, as CoOp's few-shot protocol). ``cache`` keeps the decoded tensor under
-    ``<root>/.cache``.
+    training (default: ignored, as CoOp's few-shot protocol). ``cache`` keeps the decoded tensor in the
+    cache (:func:`image_cache` of ``path``; ``False``: decode on every load).
     """
     check_mode(mode, "imagefolder")
     check_size(size, "imagefolder")
@@ -194,7 +203,7 @@ def imagefolder(
         paths, labels, is_train, classes = _from_split_file(
             base, resolve(root, split_file, "split_file", "imagefolder"), val_to_train
         )
-    cache_dir = Path(root) / CACHE_DIR if cache else None
+    cache_dir = image_cache(base, cache)
     ds = image_dataset(
         "imagefolder", paths, labels, is_train, classes, size=size, mode=mode, cache_dir=cache_dir
     )

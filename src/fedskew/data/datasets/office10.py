@@ -49,7 +49,7 @@ def office10(
 
     Layout ``<root>/office_caltech_10/<domain>/<class>/*.jpg`` (or ``<domain>/{train,test}/<class>/``);
     without explicit splits, a seeded per-(domain, class) split keeps ``train_fraction`` for training.
-    64x64 follows FedPCL's code (MP-FedCL gives no size). ``cache`` keeps the decoded images under
-    ``<root>/.cache``.
+    64x64 follows FedPCL's code (MP-FedCL gives no size). ``cache`` keeps the decoded images in the
+    cache (``$FEDSKEW_CACHE``), never in the data root.
     """
     return load_domains(OFFICE10, root, domains, size, train_fraction, split_seed, cache)

@@ -1,0 +1,129 @@
+"""A barrier in a run's hooks, so that a test kills or interrupts a run at a known round instead of hoping
+that a signal lands inside a window of wall-clock time (which a loaded machine shifts).
+
+With ``FEDSKEW_TEST_BARRIER`` (see :func:`barrier_env`) in a process's environment when this module is
+imported, a call of round ``round`` (for the clients ``cids``, default any) to the hook ``hook`` of any
+algorithm creates ``FOLDER/<pid>`` and blocks until the process is killed or interrupted: a Ctrl-C raises
+KeyboardInterrupt out of the wait as it would out of training. Hooks that take the round info last serve:
+``broadcast`` (a round's first hook, where clients train: the run or its engine workers), ``start_local``
+(the first on a Flower node) or ``aggregate`` (the server, once the round's clients trained). With ``once``
+only the first process to arrive blocks. Earlier rounds are committed by then, their metrics and checkpoint
+written. The barrier wraps the algorithms through the public ``ALGORITHMS.replaced``: forked engine workers
+inherit it, the spawned workers of a sweep get it because ``multiprocessing`` imports the parent's main
+module in them, and a Flower app made by :func:`barrier_app` installs it in its ServerApp and ClientApp
+processes. ``src/`` has no test-only path: a resumed run is the plain command.
+
+``python -m tests.barrier_run ARGS`` (from the repository root) is ``fedskew ARGS`` with the barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = "FEDSKEW_TEST_BARRIER"
+ROOT = Path(__file__).resolve().parents[1]
+#: seconds a test waits for a run to reach its barrier or to exit: only a hung run takes this long
+DEADLINE = 600.0
+
+
+def barrier_env(
+    round_: int,
+    folder: Path,
+    env: dict[str, str] | None = None,
+    *,
+    hook: str = "broadcast",
+    cids: list[int] | None = None,
+    once: bool = False,
+) -> dict[str, str]:
+    """``env`` (default: this process's) with a barrier at ``hook`` of round ``round_``, events in
+    ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {"round": round_, "folder": str(folder), "hook": hook, "cids": cids, "once": once}
+    return {**(os.environ if env is None else env), ENV: json.dumps(spec)}
+
+
+def arrived(folder: Path) -> list[int]:
+    """The pids of the processes at the barrier whose events go to ``folder``."""
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+
+
+def wait_for_barrier(folder: Path, proc: subprocess.Popen[Any] | None = None, count: int = 1) -> list[int]:
+    """The pids of the processes at the barrier once ``count`` arrived; fails if ``proc`` exits first (with
+    its stderr, when piped) or nothing arrives within :data:`DEADLINE` (a hang)."""
+    end = time.monotonic() + DEADLINE
+    while len(pids := arrived(folder)) < count:
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the run exited ({proc.returncode}) before its barrier: {err}")
+        assert time.monotonic() < end, f"no barrier reached within {DEADLINE} s"
+        time.sleep(0.05)
+    return pids
+
+
+def barrier_app(target: Path, round_: int, folder: Path, **options: Any) -> Path:
+    """A Flower app in ``target``: fedskew's ServerApp and ClientApp with the barrier installed in their
+    processes (Flower starts them with the SuperLink's / SuperNode's environment, so the spec is written
+    into the app). Submit it in place of ``fedskew.flower.deploy.APP_DIR``."""
+    from fedskew.flower.deploy import APP_DIR
+
+    target.mkdir(parents=True)
+    pyproject = (APP_DIR / "pyproject.toml").read_text()
+    pyproject = pyproject.replace('name = "fedskew-flower"', 'name = "fedskew-barrier"')
+    pyproject = pyproject.replace("fedskew.flower.apps:", "fedskew_barrier_app:")
+    (target / "pyproject.toml").write_text(pyproject)
+    spec = barrier_env(round_, folder, {}, **options)[ENV]
+    (target / "fedskew_barrier_app.py").write_text(
+        "import os\nimport sys\n\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"os.environ[{ENV!r}] = {spec!r}\n"
+        "import tests.barrier_run  # noqa: E402  (installs the barrier)\n"
+        "from fedskew.flower import apps  # noqa: E402\n\n"
+        "server_app = apps.server_app\nclient_app = apps.client_app\n"
+    )
+    return target
+
+
+def _install(spec: dict[str, Any]) -> contextlib.ExitStack:
+    from fedskew.algorithms import ALGORITHMS
+
+    folder, hook, cids = Path(spec["folder"]), spec["hook"], spec["cids"]
+
+    def due(info: Any) -> bool:
+        if info.round != spec["round"] or (cids is not None and info.cid not in cids):
+            return False
+        if spec["once"]:
+            try:
+                os.close(os.open(folder / "once", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return False
+        return True
+
+    def wrapped(self: Any, *args: Any) -> Any:
+        if due(args[-1]):
+            (folder / str(os.getpid())).touch()
+            while True:  # short sleeps: a signal that arrives before the wait is still acted on
+                time.sleep(0.1)
+        return getattr(super(type(self), self), hook)(*args)
+
+    stack = contextlib.ExitStack()
+    for name in ALGORITHMS.names():
+        cls = ALGORITHMS.get(name)
+        stack.enter_context(ALGORITHMS.replaced(name, type(cls.__name__, (cls,), {hook: wrapped})))
+    return stack
+
+
+#: the installed barrier, kept for the life of the process
+INSTALLED = _install(json.loads(os.environ[ENV])) if os.environ.get(ENV) else None
+
+if __name__ == "__main__":
+    from fedskew.cli import main
+
+    sys.argv = ["fedskew", *sys.argv[1:]]
+    main()
