@@ -135,7 +135,7 @@ def _delete(cfg: dict[str, Any], path: tuple[str, ...]) -> None:
 # ---------------------------------------------------------------------------- one example
 def dry_run(cfg: Any, out: Any = None, **_: Any) -> dict[str, Any]:
     """What ``fedskew run`` checks before its first round: device, dataset and partition, model options."""
-    runner.resolve_device(cfg.engine.device)
+    runner.with_resolved_device(cfg)
     runner.build_data(cfg)
     runner.model_options(cfg)
     return {"final": {"accuracy": 0.0}, "rounds": 0, "wall_seconds": 0.0}

@@ -51,7 +51,21 @@ class EngineSection(Strict):
     workers: int = Field(
         1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
     )
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    device: str = Field(
+        "auto",
+        description="torch device: auto (CUDA if present, else MPS, else CPU; the choice is logged and "
+        "written to config.yaml), cpu, cuda, cuda:N, mps",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="forward passes (local losses, evaluation) in float32, or under bfloat16 autocast "
+        "(parameters, optimizer and aggregation stay float32); bf16 changes the numbers",
+    )
+    deterministic: bool = Field(
+        False,
+        description="torch's deterministic algorithms for the run (cuBLAS workspace, no cuDNN benchmarking): "
+        "bit-reproducible GPU runs where every operation has a deterministic implementation",
+    )
     memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
     memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
         "auto",
@@ -84,6 +98,8 @@ class EngineSection(Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if v.split(":")[0] not in ("cpu", "cuda", "mps"):
-            raise ValueError("allowed: cpu, cuda, cuda:N, mps")
+        kind, _, index = v.partition(":")
+        indexed_cuda = kind == "cuda" and index.isdigit()
+        if v != "auto" and (kind not in ("cpu", "cuda", "mps") or (index and not indexed_cuda)):
+            raise ValueError("allowed: auto, cpu, cuda, cuda:N, mps")
         return v

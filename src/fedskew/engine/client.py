@@ -34,6 +34,7 @@ from fedskew.algorithms.base import (
     Upload,
     load_state,
 )
+from fedskew.engine.device import precision_context
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
@@ -124,7 +125,7 @@ def train_client(
         model = rt.models.model_for(cid)
         client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
         try:
-            result = run_phases(model, rt.algorithm, client, rt.client)
+            result = run_phases(model, rt.algorithm, client, rt.client, rt.precision)
         except NonFiniteLoss as err:
             log.warning("round %d: rejected update: %s", round_idx, err)
             return ClientOutcome.received(cid, payload)
@@ -143,10 +144,14 @@ def train_client(
 
 
 def run_phases(
-    model: nn.Module, algorithm: Algorithm, client: PreparedClient, cfg: ClientSection
+    model: nn.Module,
+    algorithm: Algorithm,
+    client: PreparedClient,
+    cfg: ClientSection,
+    precision: str = "fp32",
 ) -> LocalResult:
     """Every phase's epochs of mini-batch SGD on ``model`` over the client's tensors, each phase's learning
-    rate multiplied by the round's ``client.lr_decay`` factor."""
+    rate multiplied by the round's ``client.lr_decay`` factor; the loss under ``engine.precision``."""
     view, phases, state = client.view, client.plan.phases, client.plan.state
     model.train()
     named = list(model.named_parameters())
@@ -164,7 +169,8 @@ def run_phases(
                 total, count = torch.zeros((), device=view.x.device), 0
                 for idx in epoch_batches(view.num_samples, cfg.batch_size, client.generator, view.x.device):
                     batch = Batch(view.x[idx], view.y[idx], epoch=epoch, last_epoch=last)
-                    loss = algorithm.local_loss(model, batch, client.payload, state, client.scratch)
+                    with precision_context(view.x.device, precision):
+                        loss = algorithm.local_loss(model, batch, client.payload, state, client.scratch)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()

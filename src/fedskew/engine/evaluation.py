@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.algorithms.base import Algorithm, Payload, RoundInfo, State, load_state
+from fedskew.engine.device import precision_context
 from fedskew.engine.runtime import ModelCache
 from fedskew.engine.types import tree_to
 
@@ -39,15 +40,20 @@ def score(
     y: Tensor,
     batch_size: int,
     to_float: Callable[[Tensor], Tensor],
+    precision: str = "fp32",
 ) -> HeadScores:
-    """Run ``algorithm.predict`` in batches over ``x`` (raw tensors, converted per batch)."""
+    """Run ``algorithm.predict`` in batches over ``x`` (raw tensors, converted per batch), its forward
+    passes under ``engine.precision``."""
     model.eval()
     correct: dict[str, list[Tensor]] = {}
     losses: list[Tensor] = []
     for start in range(0, y.shape[0], batch_size):
         xb = to_float(x[start : start + batch_size])
         yb = y[start : start + batch_size]
-        heads = algorithm.predict(model, xb, payload, state)
+        with precision_context(yb.device, precision):
+            heads = algorithm.predict(model, xb, payload, state)
+        if precision != "fp32":  # bf16 scores: argmax and the loss in float32
+            heads = {k: v.float() for k, v in heads.items()}
         for name, scores in heads.items():
             correct.setdefault(name, []).append(scores.argmax(1) == yb)
         logits = heads.get("logits", next(iter(heads.values())))
@@ -121,9 +127,11 @@ class Evaluator:
         protocol: str,
         batch_size: int,
         seed: int,
+        precision: str = "fp32",
     ) -> None:
         self.algorithm, self.models, self.data = algorithm, models, data
         self.protocol, self.batch_size, self.seed = protocol, batch_size, seed
+        self.precision = precision
 
     def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
         """The record of ``server`` and the clients' states (``state_of(cid)``, CPU) after ``round_idx``."""
@@ -157,7 +165,7 @@ class _Scorer:
         state = None if cid is None else tree_to(self.state_of(cid), device)
         model = self.ev.models.model_for(cid)
         load_state(model, alg.eval_weights(payload, state))
-        return score(alg, model, payload, state, x, y, self.ev.batch_size, to_float)
+        return score(alg, model, payload, state, x, y, self.ev.batch_size, to_float, self.ev.precision)
 
     def split(
         self, x: Tensor, y: Tensor, client_idx: list[Tensor] | None, to_float: Callable[[Tensor], Tensor]

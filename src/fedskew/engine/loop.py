@@ -23,6 +23,7 @@ from torch import nn
 from fedskew.algorithms.base import Algorithm, Context, HyperParams, RoundInfo, State
 from fedskew.data.federated import FederatedData
 from fedskew.engine.client import ALLOWED, ClientError
+from fedskew.engine.device import resolve_device
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.modes import make_executor, memory_format
@@ -57,6 +58,7 @@ def build_runtime(
     rounds: int,
     seed: int,
     on_client_error: str = "drop_non_finite",
+    precision: str = "fp32",
 ) -> ClientRuntime:
     """The algorithm (constructed from a context derived from the config alone) and the clients' data on
     the device: what a client process needs, identical in every process of a run."""
@@ -84,7 +86,7 @@ def build_runtime(
     train = ClientData(
         ds.to_float(ds.x_train).to(dev), ds.y_train.to(dev), [t.to(dev) for t in data.train_idx], counts
     )
-    return ClientRuntime(algorithm, train, models, client, seed, dev, on_client_error)
+    return ClientRuntime(algorithm, train, models, client, seed, dev, on_client_error, precision)
 
 
 class Simulation:
@@ -103,11 +105,19 @@ class Simulation:
         rounds: int,
         seed: int,
     ) -> None:
-        device = torch.device(engine.device)
+        device = resolve_device(engine.device)
         fmt = memory_format(engine.memory_format, device, engine.mode)
         models = ModelCache(build_model, arch_key, device, fmt, seed)
         self.runtime = build_runtime(
-            data, algorithm_cls, params, models, client, rounds, seed, engine.on_client_error
+            data,
+            algorithm_cls,
+            params,
+            models,
+            client,
+            rounds,
+            seed,
+            on_client_error=engine.on_client_error,
+            precision=engine.precision,
         )
         self.algorithm = self.runtime.algorithm
         self.engine, self.rounds, self.seed = engine, rounds, seed
@@ -123,7 +133,9 @@ class Simulation:
             val_idx=[t.to(device) for t in (data.val_idx or [])],
         )
         batch = evaluation.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
-        self.evaluator = Evaluator(self.algorithm, models, eval_data, evaluation.protocol, batch, seed)
+        self.evaluator = Evaluator(
+            self.algorithm, models, eval_data, evaluation.protocol, batch, seed, engine.precision
+        )
         torch.manual_seed(derive_seed(seed, INIT_KEY))  # same initial model for every algorithm
         self.server: State = self.algorithm.init_server(models.model_for(None))
         self.client_states: dict[int, State] = {}

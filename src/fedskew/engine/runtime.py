@@ -87,6 +87,7 @@ class ClientRuntime:
     seed: int
     device: torch.device
     on_client_error: str = "drop_non_finite"  # engine.on_client_error
+    precision: str = "fp32"  # engine.precision: the forward passes' autocast (fedskew.engine.device)
 
     def initial_state(self, cid: int) -> State:
         """The client's state before its first round, on CPU (from the algorithm's context alone)."""

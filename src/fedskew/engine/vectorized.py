@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fedskew.algorithms.base import Algorithm, Batch, LocalResult, Payload, Phase, RoundInfo, Scratch
 from fedskew.engine.client import PreparedClient, epoch_batches, finish_client, prepare_client
+from fedskew.engine.device import chunk_budget_mb, precision_context
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch
@@ -143,7 +144,8 @@ def train_vectorized(
     """Train ``cids`` (one architecture) of ``job`` in chunks under ``memory_mb``; outcomes in ``cids``
     order."""
     model = rt.models.model_for(cids[0])
-    size = chunk_size(model, rt.data.x, rt.client.batch_size, memory_mb)
+    budget = chunk_budget_mb(rt.device, memory_mb)  # a CPU budget, or a share of the GPU's free memory
+    size = chunk_size(model, rt.data.x, rt.client.batch_size, budget)
     out: list[ClientOutcome] = []
     for start in range(0, len(cids), size):
         out += _train_chunk(rt, model, job, cids[start : start + size])
@@ -192,7 +194,8 @@ def _train_chunk(rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[
         payload = Payload(arrays=_rebuild(pay_leaves, pay_spec, pay_pos, pay), config=dict(config))
         state = _rebuild(st_leaves, st_spec, st_pos, st)
         batch = Batch(x, y, epoch=epoch, last_epoch=last)
-        with _reparametrize_module(model, {**train, **frozen, **buffers}):
+        autocast = precision_context(rt.device, rt.precision)
+        with _reparametrize_module(model, {**train, **frozen, **buffers}), autocast:
             loss = alg.local_loss(model, batch, payload, state, Scratch(scratch))  # tensors: updated in place
         return loss, loss.detach()
 

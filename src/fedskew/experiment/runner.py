@@ -37,6 +37,7 @@ import fedskew
 from fedskew.algorithms.base import ALGORITHMS
 from fedskew.data.base import DATASETS
 from fedskew.data.federated import FederatedData, build_federated
+from fedskew.engine.device import deterministic_algorithms, resolve_device
 from fedskew.engine.loop import Simulation
 from fedskew.errors import ConfigError, FedskewError, RunFailure
 from fedskew.experiment.config import (
@@ -63,12 +64,26 @@ DIGEST_KEY = "sha256"
 RoundCallback = Callable[[Simulation, dict[str, Any] | None], None]
 
 
-def resolve_device(name: str) -> str:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"config key 'engine.device': {name}, but there is no CUDA device; allowed: cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("config key 'engine.device': mps, but MPS is not available; allowed here: cpu")
-    return name
+def with_resolved_device(cfg: Config) -> Config:
+    """``cfg`` with ``engine.device: auto`` replaced by the device this machine runs it on (what
+    ``config.yaml`` records); an explicit device is checked. Also refuses worker processes on a GPU: they
+    are forked, and a CUDA context cannot be forked."""
+    device = resolve_device(cfg.engine.device)
+    if cfg.engine.workers > 1 and device.type != "cpu":
+        raise ConfigError(
+            f"config key 'engine.workers': {cfg.engine.workers} needs engine.device=cpu (worker processes "
+            f"are forked, and a {device.type} context cannot be forked); on {device} train many clients at "
+            "once with engine.mode=vectorized; allowed here: 1"
+        )
+    if cfg.engine.device != "auto":
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"device": str(device)})})
+
+
+def recorded_config(cfg: Config) -> Config:
+    """The config a run records in ``config.yaml`` and compares on resume: for the embedded runtime with
+    its device resolved; Flower's processes each resolve ``auto`` on their own machine."""
+    return with_resolved_device(cfg) if cfg.engine.runtime == "embedded" else cfg
 
 
 def build_data(cfg: Config) -> FederatedData:
@@ -150,7 +165,7 @@ def model_builders(
 
 def build_simulation(cfg: Config, data: FederatedData | None = None) -> Simulation:
     """Everything a run needs, from a validated config."""
-    resolve_device(cfg.engine.device)
+    cfg = with_resolved_device(cfg)
     data = data if data is not None else build_data(cfg)
     build_model, arch_key = model_builders(cfg, data)
     alg_cls = ALGORITHMS.get(cfg.algorithm.name)
@@ -407,8 +422,12 @@ def run_experiment(
             f"engine.runtime={cfg.engine.runtime} runs through fedskew.flower.run_flower (`fedskew run` does "
             "this); allowed here: embedded"
         )
+    cfg = recorded_config(cfg)
     out_dir = Path(out) if out is not None else None
-    with output_lock(out_dir) if out_dir is not None else contextlib.nullcontext():
+    with (
+        output_lock(out_dir) if out_dir is not None else contextlib.nullcontext(),
+        deterministic_algorithms(cfg.engine.deterministic),
+    ):
         return _run(cfg, out_dir, resume, force, on_round, data, attach)
 
 

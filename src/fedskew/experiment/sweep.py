@@ -20,9 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import load_config, read_saved_config
+from fedskew.experiment.config import build_config, load_config, read_saved_config
 from fedskew.experiment.report import flatten_config, value_text
-from fedskew.experiment.runner import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from fedskew.experiment.runner import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    recorded_config,
+)
 
 DEFAULT_NAME = "{stem}/{grid}"
 #: a failed run's traceback, in its folder (removed when the run later succeeds)
@@ -166,7 +172,8 @@ def check_saved_config(run: PlannedRun) -> None:
     saved = run.folder / CONFIG_FILE
     if not saved.is_file():
         return
-    old, new = flatten_config(read_saved_config(saved)), flatten_config(run.config)
+    planned = recorded_config(build_config(run.config)).to_dict()  # as the run will record it
+    old, new = flatten_config(read_saved_config(saved)), flatten_config(planned)
     diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
     if diff:
         k = diff[0]

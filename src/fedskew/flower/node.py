@@ -30,6 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from fedskew.algorithms import ALGORITHMS
 from fedskew.algorithms.base import Payload, State, load_state
 from fedskew.engine.client import train_client
+from fedskew.engine.device import resolve_device
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
 from fedskew.engine.loop import build_runtime
 from fedskew.engine.modes import memory_format
@@ -122,13 +123,21 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
     """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``."""
     data = build_data(cfg)
     build_model, arch_key = model_builders(cfg, data)
-    device = torch.device(cfg.engine.device)
+    device = resolve_device(cfg.engine.device)  # each node resolves auto on its own machine
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
     models = ModelCache(build_model, arch_key, device, fmt, cfg.seed)
     alg_cls = ALGORITHMS.get(cfg.algorithm.name)
     params = alg_cls.Params(**cfg.algorithm.hyper())
     full = build_runtime(
-        data, alg_cls, params, models, cfg.client, cfg.rounds, cfg.seed, cfg.engine.on_client_error
+        data,
+        alg_cls,
+        params,
+        models,
+        cfg.client,
+        cfg.rounds,
+        cfg.seed,
+        cfg.engine.on_client_error,
+        cfg.engine.precision,
     )
     owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
     # Only the owned clients' samples stay in memory; the others become empty views.
@@ -151,6 +160,7 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
         cfg.seed,
         device,
         cfg.engine.on_client_error,
+        cfg.engine.precision,
     )
     ds = data.dataset
     val = data.val_idx or [torch.zeros(0, dtype=torch.long) for _ in range(data.num_clients)]
@@ -237,7 +247,7 @@ def _stats(node: NodeRuntime, cid: int, payload: Payload, state: State, x: Any, 
     load_state(model, alg.eval_weights(payload, dev_state))
     if y.numel() == 0:
         return None, []
-    s = score(alg, model, payload, dev_state, x, y, node.eval_batch, conv)
+    s = score(alg, model, payload, dev_state, x, y, node.eval_batch, conv, node.rt.precision)
     heads = list(s.correct)
     row = [float(s.correct[h].double().sum()) for h in heads] + [float(s.loss.double().sum())]
     return torch.tensor(row, dtype=torch.float64), heads
