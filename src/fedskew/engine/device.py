@@ -82,6 +82,14 @@ def chunk_budget_mb(device: torch.device, memory_mb: float) -> float:
     return GPU_CHUNK_SHARE * free / 2**20
 
 
+def use_deterministic_algorithms() -> None:
+    """Torch's deterministic algorithms for the rest of the process (a Flower ClientApp process serves one
+    message); runs that share a process use :func:`deterministic_algorithms` instead."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     """Within the block, torch's deterministic algorithms (when ``enabled``); the process's settings are
@@ -94,9 +102,7 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark,
         os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+    use_deterministic_algorithms()
     try:
         yield
     finally:

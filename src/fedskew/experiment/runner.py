@@ -96,7 +96,8 @@ def build_data(cfg: Config) -> FederatedData:
     enc = cfg.data.frozen_encoder
     if enc is not None:
         weights = Path(enc.weights) if Path(enc.weights).is_absolute() else Path(root) / enc.weights
-        dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, cfg.engine.device)
+        device = str(resolve_device(cfg.engine.device))  # the encoder runs where the clients train
+        dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, device)
     fed = build_federated(
         dataset,
         cfg.data.num_clients,

@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from fedskew.algorithms import ALGORITHMS
 from fedskew.algorithms.base import Payload, State, load_state
 from fedskew.engine.client import train_client
-from fedskew.engine.device import resolve_device
+from fedskew.engine.device import resolve_device, use_deterministic_algorithms
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
 from fedskew.engine.loop import build_runtime
 from fedskew.engine.modes import memory_format
@@ -124,6 +124,8 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
     data = build_data(cfg)
     build_model, arch_key = model_builders(cfg, data)
     device = resolve_device(cfg.engine.device)  # each node resolves auto on its own machine
+    if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
+        use_deterministic_algorithms()
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
     models = ModelCache(build_model, arch_key, device, fmt, cfg.seed)
     alg_cls = ALGORITHMS.get(cfg.algorithm.name)
