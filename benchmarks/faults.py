@@ -432,9 +432,9 @@ class Faulty(FedAvg):
 
     kind, round_, victims = "raise", 3, frozenset[int]()
 
-    def finish_local(self, model, payload, state, client, scratch, result, info):  # type: ignore[no-untyped-def]
-        out = super().finish_local(model, payload, state, client, scratch, result, info)
-        if info.round != self.round_ or client.cid not in self.victims:
+    def finish_local(self, step, result):  # type: ignore[no-untyped-def]
+        out = super().finish_local(step, result)
+        if step.info.round != self.round_ or step.client.cid not in self.victims:
             return out
         if self.kind == "raise":
             raise RuntimeError("injected client failure")

@@ -1,4 +1,4 @@
-"""Milliseconds for the prototype primitives (fedskew.protos) on FedProto / MP-FedCL sized inputs.
+"""Milliseconds for the prototype primitives (fedskew.algorithms.protos) on FedProto / MP-FedCL sized inputs.
 
 Target: nearest-prototype prediction for 10,000 samples x 10 classes x 50 dims under 20 ms on CPU (one
 thread); the script exits with status 1 if that row misses it. Also times the class-mean accumulation, the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedskew.protos import aggregate_prototypes, class_means, kmeans, nearest_prototype_scores
+from fedskew.algorithms.protos import aggregate_prototypes, class_means, kmeans, nearest_prototype_scores
 
 RESULTS = Path(__file__).parent / "results"
 TARGET_MS = 20.0

@@ -106,7 +106,9 @@ def _install(spec: dict[str, Any]) -> contextlib.ExitStack:
         return True
 
     def wrapped(self: Any, *args: Any) -> Any:
-        if due(args[-1]):
+        # server hooks end with their RoundInfo (broadcast, aggregate); client hooks take a LocalStep first
+        info = args[-1] if hook in ("broadcast", "aggregate") else args[0].info
+        if due(info):
             (folder / str(os.getpid())).touch()
             while True:  # short sleeps: a signal that arrives before the wait is still acted on
                 time.sleep(0.1)

@@ -28,6 +28,7 @@ from fedskew.algorithms.base import (
     Context,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
     Scratch,
@@ -161,17 +162,24 @@ def batch() -> Batch:
     return Batch(v.x, v.y)
 
 
-def scratch_for(alg: Algorithm, model: nn.Module, payload: Payload, state: dict, cid: int = 0) -> Scratch:
-    """The read-only scratch the engine hands ``local_loss``: what ``init_scratch`` made."""
-    return Scratch(alg.init_scratch(model, payload, state, view(cid), info(1, cid)))
+def local_step(
+    model: nn.Module, payload: Payload, state: dict, cid: int = 0, round_idx: int = 1
+) -> LocalStep:
+    """The step the engine hands the client hooks (nothing derived, empty scratch: before ``start_local``)."""
+    return LocalStep(model=model, payload=payload, state=state, client=view(cid), info=info(round_idx, cid))
+
+
+def with_scratch(alg: Algorithm, step: LocalStep) -> LocalStep:
+    """``step`` with the read-only scratch the engine hands ``local_loss``: what ``init_scratch`` made."""
+    return step.replace(scratch=Scratch(alg.init_scratch(step)))
 
 
 def loss_grads(
     alg: Algorithm, model: nn.Module, payload: Payload, state: dict
 ) -> tuple[float, dict[str, Tensor]]:
-    scratch = scratch_for(alg, model, payload, state)
+    step = with_scratch(alg, local_step(model, payload, state))
     model.zero_grad(set_to_none=True)
-    loss = alg.local_loss(model, batch(), payload, state, scratch)
+    loss = alg.local_loss(step, batch())
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -180,10 +188,8 @@ def finish(
     alg: Algorithm, model: nn.Module, payload: Payload, state: dict, steps: int, cid: int = 0
 ) -> LocalOutput:
     """``finish_local`` after ``steps`` local steps at η_l = 0.1 (``model`` holds the trained weights)."""
-    scratch = scratch_for(alg, model, payload, state, cid)
-    return alg.finish_local(
-        model, payload, state, view(cid), scratch, LocalResult(steps, 0.0, 0.1), info(1, cid)
-    )
+    step = with_scratch(alg, local_step(model, payload, state, cid))
+    return alg.finish_local(step, LocalResult(steps, 0.0, 0.1))
 
 
 def ce_grads(model: nn.Module) -> tuple[float, dict[str, Tensor]]:
@@ -233,7 +239,7 @@ def test_fedavg_sample_weighted_average(ctx: Context) -> None:
     before = snapshot(server)
     ups = [upload(0, 1, const_state(1.0, 2.0)), upload(1, 3, const_state(5.0, 6.0))]
     uploads_before = [snapshot(u.payload.arrays) for u in ups]
-    new = alg.aggregate(server, ups, info(1))
+    new = alg.aggregate(server, ups, info(1)).state
     assert_params(new["weights"], 0.25 * 1.0 + 0.75 * 5.0)  # 4.0
     assert torch.allclose(new["weights"]["stat"], torch.full((2,), 5.0))
     assert_unchanged(server, before)  # aggregate returns a new server state
@@ -247,9 +253,9 @@ def test_fedavg_uploads_without_data(ctx: Context) -> None:
     alg = make("fedavg", ctx)
     server = alg.init_server(Tiny())
     mixed = [upload(0, 0, const_state(9.0, 9.0)), upload(1, 2, const_state(3.0, 4.0))]
-    assert_params(alg.aggregate(server, mixed, info(1))["weights"], 3.0)
+    assert_params(alg.aggregate(server, mixed, info(1)).state["weights"], 3.0)
     empty = [upload(0, 0, const_state(2.0, 2.0)), upload(1, 0, const_state(4.0, 4.0))]
-    assert_params(alg.aggregate(server, empty, info(1))["weights"], 3.0)
+    assert_params(alg.aggregate(server, empty, info(1)).state["weights"], 3.0)
 
 
 # ---------------------------------------------------------------------------------------------- FedProx
@@ -291,7 +297,7 @@ def test_adaptive_server_step(ctx: Context, name: str) -> None:
     before = snapshot(server0)
     server = alg.aggregate(
         server0, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], info(1)
-    )
+    ).state
     assert_unchanged(server0, before)  # the slots m, v of the old state are not updated in place
     v1, v2 = ADAPTIVE_CASES[name]
     w1 = 0.1 * 0.1 / (math.sqrt(v1) + 1e-3)
@@ -299,7 +305,7 @@ def test_adaptive_server_step(ctx: Context, name: str) -> None:
     assert_params(server["m"], 0.1, rel=1e-5)
     assert_params(server["v"], v1, rel=1e-5)
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))  # buffer: plain weighted mean
-    server = alg.aggregate(server, [upload(0, 2, const_state(w1 + 0.05, 2.0))], info(2))
+    server = alg.aggregate(server, [upload(0, 2, const_state(w1 + 0.05, 2.0))], info(2)).state
     assert_params(server["m"], 0.095, rel=1e-5)
     assert_params(server["v"], v2, rel=1e-5)
     assert_params(server["weights"], w1 + 0.1 * 0.095 / (math.sqrt(v2) + 1e-3), rel=1e-5)
@@ -310,11 +316,11 @@ def test_fedavgm_server_momentum(ctx: Context) -> None:
     server = alg.init_server(const_model(0.0))
     server = alg.aggregate(
         server, [upload(0, 1, const_state(2.0, 8.0)), upload(1, 3, const_state(2 / 3))], info(1)
-    )
+    ).state
     assert_params(server["weights"], 0.5)  # m1 = Δ1 = 1; w1 = 0 + 0.5·1
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))
     before = snapshot(server)
-    new = alg.aggregate(server, [upload(0, 2, const_state(0.55))], info(2))
+    new = alg.aggregate(server, [upload(0, 2, const_state(0.55))], info(2)).state
     assert_params(new["m"], 0.95, rel=1e-5)  # m2 = 0.9·1 + 0.05
     assert_params(new["weights"], 0.975, rel=1e-5)  # w2 = 0.5 + 0.5·0.95
     assert_unchanged(server, before)
@@ -353,12 +359,12 @@ def test_feddyn_server_h_and_model(ctx: Context) -> None:
     old, before = server, snapshot(server)
     server = alg.aggregate(
         server, [upload(0, 1, const_state(1.0, 1.0)), upload(1, 3, const_state(3.0, 3.0))], info(1)
-    )
+    ).state
     assert_params(server["h"], -0.1)  # h = 0 − 0.1·(1/4)·(1 + 3)
     assert_params(server["weights"], 3.0)  # θ = 2 − (−0.1)/0.1
     assert torch.allclose(server["weights"]["stat"], torch.full((2,), 2.0))
     assert_unchanged(old, before)  # h and θ of the previous state are not updated in place
-    server = alg.aggregate(server, [upload(2, 2, const_state(3.5))], info(2))
+    server = alg.aggregate(server, [upload(2, 2, const_state(3.5))], info(2)).state
     assert_params(server["h"], -0.1 - 0.1 * 0.25 * 0.5, rel=1e-5)  # h = −0.1 − 0.1·(1/4)·(3.5 − 3) = −0.1125
     assert_params(server["weights"], 3.5 + 1.125, rel=1e-5)  # θ = 3.5 − (−0.1125)/0.1
 
@@ -412,7 +418,7 @@ def test_scaffold_control_variate_update(ctx: Context) -> None:
         ),
     ]
     before = snapshot(server)
-    new = alg.aggregate(server, ups, info(1))
+    new = alg.aggregate(server, ups, info(1)).state
     assert_params(new["weights"], 0.5 * (-0.2 + 0.6) / 2)  # x + η_g·mean Δy = 0 + 0.5·0.2 = 0.1
     assert_params(new["c"], 0.5 + (2 / 4) * (0.5 + 1.5) / 2)  # c + |S|/N·mean Δc = 1.0
     assert torch.allclose(new["weights"]["stat"], torch.full((2,), 2.0))
@@ -446,19 +452,21 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
     state: dict = {}
     load_state(local, alg.model_weights(payload, state))  # what the runtime does before start_local
     held = snapshot(local.state_dict())
-    plan = alg.start_local(local, payload, state, view(), info(1, 0))
+    step = local_step(local, payload, state)
+    plan = alg.start_local(step)
     assert_unchanged(dict(local.state_dict()), held)  # start_local reads the model, never changes it
-    scratch = scratch_for(alg, local, payload, plan.state)
-    first = float(alg.local_loss(local, b, payload, plan.state, scratch).detach())
+    assert not plan.derived  # no previous model: no reference networks loaded
+    step = with_scratch(alg, step.replace(derived=plan.derived))
+    first = float(alg.local_loss(step, b).detach())
     with torch.no_grad():
         ce_global = float(F.cross_entropy(glob(b.x), b.y))
     assert first == pytest.approx(ce_global, rel=1e-6)  # the client trains from the global model
 
     load_state(local, {k: v + 0.3 for k, v in glob.state_dict().items()})
-    out = alg.finish_local(local, payload, plan.state, view(), scratch, LocalResult(1, 0.0, 0.1), info(1, 0))
+    out = alg.finish_local(step, LocalResult(1, 0.0, 0.1))
     # the model only (10 parameters + the 2-float buffer), float32, no config values
     assert out.upload.num_params() == NUM_PARAMS + 2 and out.upload.nbytes() == 4 * (NUM_PARAMS + 2)
-    assert "prev" not in state and "prev" not in plan.state  # the new state is returned, not written
+    assert "prev" not in state and "prev" not in step.state  # the new state is returned, not written
     stored = {k: v.clone() for k, v in out.state["prev"].items()}
     load_state(local, prev.state_dict())  # the engine reuses the model instance: state must not alias it
     assert all(torch.equal(stored[k], out.state["prev"][k]) for k in stored)
@@ -466,9 +474,15 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
 
     state = {"prev": {k: v.clone() for k, v in prev.state_dict().items()}}
     load_state(local, alg.model_weights(payload, state))  # the global model, loaded by the runtime
-    plan = alg.start_local(local, payload, state, view(), info(2, 0))
+    attributes = set(vars(alg))
+    plan = alg.start_local(local_step(local, payload, state, round_idx=2))
+    # the loaded references travel in the per-round channel; on ``self`` only the declared cache changes
+    cached = alg.reference_nets[ctx.arch_key(0)]
+    assert all(a is b for a, b in zip(plan.derived["references"], cached, strict=True))
+    assert set(vars(alg)) == attributes and alg.working_buffers == {"reference_nets"}
     load_state(local, {k: v * 0.5 for k, v in glob.state_dict().items()})  # pretend training moved it
-    loss = alg.local_loss(local, b, payload, plan.state, scratch_for(alg, local, payload, plan.state))
+    step = with_scratch(alg, local_step(local, payload, state, round_idx=2).replace(derived=plan.derived))
+    loss = alg.local_loss(step, b)
     with torch.no_grad():
         z = local.features(b.x)
         expected = F.cross_entropy(local.head(z), b.y) + 2.0 * model_contrastive_loss(
@@ -478,7 +492,7 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
     loss.backward()
     assert all(p.grad is not None for p in local.parameters())
     n_builds = len(ctx.built)  # type: ignore[attr-defined]
-    alg.start_local(local, payload, state, view(1), info(2, 1))
+    alg.start_local(local_step(local, payload, state, cid=1, round_idx=2))
     assert len(ctx.built) == n_builds == 2  # type: ignore[attr-defined]  (frozen models built once, cached)
 
 
@@ -486,7 +500,7 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
 def test_local_sends_nothing_and_keeps_personal_weights(ctx: Context) -> None:
     ctx.initial_model = lambda cid: const_model(1.0)  # the run's initial model (built by the engine)
     alg = make("local", ctx)
-    assert alg.personalized_eval
+    assert alg.personalized_eval and not alg.server_learns
     init = const_model(1.0)
     server = alg.init_server(init)
     states = {cid: alg.init_client(cid) for cid in (0, 1)}
@@ -498,17 +512,19 @@ def test_local_sends_nothing_and_keeps_personal_weights(ctx: Context) -> None:
         assert payload.nbytes() == 0
         load_state(model, alg.model_weights(payload, states[cid]))
         assert_params(dict(model.state_dict()), 1.0)  # starts from its own (initial) weights
-        plan = alg.start_local(model, payload, states[cid], view(cid), info(1, cid))
+        step = local_step(model, payload, states[cid], cid)
+        plan = alg.start_local(step)
+        assert not plan.derived
         load_state(model, const_state(trained))  # "training"
-        out = alg.finish_local(
-            model, payload, plan.state, view(cid), Scratch(), LocalResult(1, 0.0, 0.1), info(1, cid)
-        )
+        out = alg.finish_local(step.replace(derived=plan.derived), LocalResult(1, 0.0, 0.1))
         assert out.upload.nbytes() == 0
         assert_params(states[cid]["weights"], 1.0)  # not mutated: the runtime commits ``out.state``
         states[cid] = out.state
     assert_params(states[0]["weights"], 7.0)
     assert_params(states[1]["weights"], -2.0)
-    server = alg.aggregate(server, [Upload(0, 1, Payload()), Upload(1, 3, Payload())], info(1))
+    update = alg.aggregate(server, [Upload(0, 1, Payload()), Upload(1, 3, Payload())], info(1))
+    assert not update.metrics
+    server = update.state
     assert_params(server["weights"], 1.0)
     load_state(model, alg.model_weights(alg.broadcast(server, info(2, 0)), states[0]))
     assert_params(dict(model.state_dict()), 7.0)  # next round resumes client 0's personal model

@@ -197,12 +197,12 @@ def test_aggregation_weights_are_the_sample_counts():
     uploads = [Upload(i, n, Payload(arrays=model_arrays({"keys": w[i]}))) for i, n in enumerate((2, 3, 5))]
     info = RoundInfo(1, None, 0)
     cls = ALGORITHMS.get("cachefl")
-    full = cls(cls.Params(), ctx).aggregate({}, uploads, info)["weights"]["model.keys"]
+    full = cls(cls.Params(), ctx).aggregate({}, uploads, info).state["weights"]["model.keys"]
     assert torch.allclose(full, torch.full_like(full, (2 * 1 + 3 * 2 + 5 * 4) / 10))
     # partial participation: normalised over the participants (default) or by the total n (literal)
-    part = cls(cls.Params(), ctx).aggregate({}, uploads[:2], info)["weights"]["model.keys"]
+    part = cls(cls.Params(), ctx).aggregate({}, uploads[:2], info).state["weights"]["model.keys"]
     assert torch.allclose(part, torch.full_like(part, (2 * 1 + 3 * 2) / 5))
-    literal = cls(cls.Params(aggregation="total"), ctx).aggregate({}, uploads[:2], info)["weights"]
+    literal = cls(cls.Params(aggregation="total"), ctx).aggregate({}, uploads[:2], info).state["weights"]
     assert torch.allclose(literal["model.keys"], torch.full_like(part, (2 * 1 + 3 * 2) / 10))
 
 

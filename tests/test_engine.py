@@ -67,11 +67,11 @@ def test_same_seed_same_metrics_and_partition_shared_by_algorithms():
 class _NaNOnClientZero(Algorithm):
     """Test-only algorithm: client 0 produces a non-finite loss."""
 
-    def init_scratch(self, model, payload, state, client, info):
-        return {"poison": torch.tensor(float("nan") if client.cid == 0 else 1.0)}
+    def init_scratch(self, step):
+        return {"poison": torch.tensor(float("nan") if step.client.cid == 0 else 1.0)}
 
-    def local_loss(self, model, batch, payload, state, scratch):
-        return F.cross_entropy(model(batch.x), batch.y) * scratch["poison"]
+    def local_loss(self, step, batch):
+        return F.cross_entropy(step.model(batch.x), batch.y) * step.scratch["poison"]
 
 
 def test_non_finite_update_is_rejected_and_round_continues():

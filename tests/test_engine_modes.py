@@ -44,7 +44,7 @@ def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequenti
 
 
 def test_worker_errors_reach_the_parent(tmp_path, monkeypatch):
-    def boom(self, model, batch, payload, state, scratch):
+    def boom(self, step, batch):
         raise ValueError("broken loss")
 
     monkeypatch.setattr(FedAvg, "local_loss", boom)
@@ -64,8 +64,8 @@ def test_unsupported_device_falls_back_in_process(monkeypatch, caplog):
 def test_vectorized_steps_each_client_at_its_own_learning_rate(monkeypatch, caplog):
     from fedskew.algorithms.base import LocalPlan, Phase
 
-    def start_local(self, model, payload, state, client, info):  # FedEnt-style per-client rates: 1x, 2x, 3x
-        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr * (1 + client.cid % 3))], state)
+    def start_local(self, step):  # FedEnt-style per-client rates: 1x, 2x, 3x
+        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr * (1 + step.client.cid % 3))])
 
     monkeypatch.setattr(FedAvg, "start_local", start_local)
     opts = {"epochs": 2, "batch_size": 16, "fraction": 1.0}

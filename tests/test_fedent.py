@@ -1,5 +1,6 @@
 """FedEnt / FedCos / FedNorm: the closed-form learning rate, the mean-field φ2 fixed point, hand-checked
-aggregation, the reduction to FedAvg, and end-to-end learning on digits."""
+aggregation, the per-round probe (never persisted), the reduction to FedAvg, and end-to-end learning on
+digits."""
 
 from __future__ import annotations
 
@@ -12,22 +13,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fedskew.algorithms.base import Context, Payload, RoundInfo, Upload, model_arrays
-from fedskew.algorithms.fedent import (
+from fedskew.algorithms.base import (
+    ClientView,
+    Context,
+    LocalResult,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    Upload,
+    model_arrays,
+)
+from fedskew.algorithms.fedcos import FedCos
+from fedskew.algorithms.fedent import STEP_PREFIX, FedEnt, FedNorm
+from fedskew.algorithms.fedent_solver import (
     BRACKETED_ROOT,
     CLOSED_FORM,
     KEPT,
     SATURATED,
-    STEP_PREFIX,
-    FedCos,
-    FedEnt,
-    FedNorm,
     entropy_term,
     eq18_bound,
     eta_fednorm,
+    mean_field_cost,
     mean_field_trajectory,
+    minimise_cost,
     phi2_fixed_point,
     solve_eta,
+    to_f64,
 )
 from fedskew.engine.client import train_client
 from fedskew.experiment.config import build_config
@@ -265,11 +276,14 @@ def test_fedcos_weights_are_normalised_cosines(ctx):
         Upload(cid=i, num_samples=n, payload=Payload(arrays=model_arrays({"weight": torch.tensor([w])})))
         for i, (w, n) in enumerate(zip(locals_, (1, 1, 2), strict=True))
     ]
-    server = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
+    update = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
     c = 1 / math.sqrt(2)
     expected = torch.tensor([[(1 + c) / (1 + c), c / (1 + c)]])
-    assert torch.allclose(server["weights"]["weight"], expected)
-    assert alg.round_metrics(server)["fedcos_cos_min"] == pytest.approx(-1.0)
+    assert torch.allclose(update.state["weights"]["weight"], expected)
+    # the diagnostics are the round's metrics, never server state
+    assert update.metrics["fedcos_cos_min"] == pytest.approx(-1.0)
+    assert update.metrics["fedcos_weight_max"] == pytest.approx(1 / (1 + c))
+    assert set(update.state) == set(server) == {"weights", "params"}
     # cosine_of="updates": Δ = [1,0], [0,1], [0,0] against the mean update (1/4)·[1,1] → weights ½, ½, 0
     alg = FedCos(FedCos.Params(cosine_of="updates"), ctx)
     server = alg.init_server(model)
@@ -278,8 +292,8 @@ def test_fedcos_weights_are_normalised_cosines(ctx):
         Upload(cid=i, num_samples=n, payload=Payload(arrays=model_arrays({"weight": torch.tensor([w])})))
         for i, (w, n) in enumerate(zip(locals_, (1, 1, 2), strict=True))
     ]
-    server = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
-    assert torch.allclose(server["weights"]["weight"], torch.tensor([[1.5, 0.5]]))
+    update = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
+    assert torch.allclose(update.state["weights"]["weight"], torch.tensor([[1.5, 0.5]]))
 
 
 def test_fednorm_rate_from_the_step_estimate(ctx):
@@ -293,6 +307,48 @@ def test_fednorm_rate_from_the_step_estimate(ctx):
     assert eta == pytest.approx(11 / (kappa + 25)) and branch == CLOSED_FORM and stats["a"] == 11.0
     alg = FedNorm(FedNorm.Params(), ctx)  # mean_field: the one-step fixed point is φ1(t+1) = φ1(t)
     assert alg.raw_eta([torch.zeros(1, 2)], grad, Payload(), 0)[0] == 0.0
+
+
+def test_probe_travels_in_derived_and_diagnostics_in_metrics(ctx):
+    """start_local derives η and the probe statistics for the round (LocalPlan.derived, never persisted),
+    leaving the model's weights as received; finish_local uploads them (config: what the server needs,
+    metrics: the rest); aggregate records η_i(t) and φ2 in state and returns the diagnostics as metrics."""
+    alg = FedEnt(FedEnt.Params(), ctx)
+    global_model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        global_model.weight.copy_(torch.tensor([[1.0, -2.0], [0.5, 1.0]]))
+    server = alg.init_server(global_model)
+    assert set(server) == {"weights", "params", "eta", "phi2_next"}
+    g = torch.Generator().manual_seed(0)
+    uploads = []
+    for cid in range(3):
+        info = RoundInfo(1, cid, 0)
+        payload = alg.broadcast(server, info)
+        model = nn.Linear(2, 2, bias=False)
+        model.load_state_dict(payload.model_state())
+        x = torch.randn(4, 2, generator=g)
+        view = ClientView(cid, x, torch.tensor([0, 1, 0, 1]), torch.tensor([2, 2]))
+        state: dict = {}
+        step = LocalStep(model=model, payload=payload, state=state, client=view, info=info)
+        plan = alg.start_local(step)
+        assert torch.equal(model.weight, global_model.weight)  # the probe leaves the weights as received
+        probe = plan.derived["probe"]
+        (phase,) = plan.phases
+        assert phase.lr == probe["eta"] == pytest.approx(0.99 * 0.1 + 0.01 * probe["eta_raw"], rel=1e-12)
+        out = alg.finish_local(step.replace(derived=plan.derived), LocalResult(1, 0.0, phase.lr))
+        assert out.state == {} and state == {}  # neither the old nor the new state keeps the probe
+        assert out.upload.config == {k: probe[k] for k in ("eta", "s", "G")}
+        assert set(out.upload.metrics) == {"eta_raw", "branch", "clip", "pbar", "neg_den", "solver_gap"}
+        uploads.append(Upload(cid, view.num_samples, out.upload))
+    update = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
+    assert set(update.state) == set(server)  # no diagnostics in state
+    assert update.state["eta"].tolist() == [u.payload.config["eta"] for u in uploads]
+    assert server["eta"].tolist() == [0.1, 0.1, 0.1]  # the old state is intact
+    assert update.metrics["fedent_phi2"] == server["phi2_next"] == 6.25  # φ2(1) = ‖w(0)‖²
+    assert update.metrics["fedent_eta_min"] == min(update.state["eta"].tolist())
+    assert {"fedent_phi2_iters", "fedent_phi2_converged", "fedent_entropy"} <= set(update.metrics)
+    assert update.metrics["fedent_drift"] == pytest.approx(0.0, abs=1e-6)  # no training: w_i = w(t+1)
+    assert update.state["phi2_next"] > 0.0
 
 
 # ---------------------------------------------------------------------------------- engine runs
@@ -331,7 +387,8 @@ def test_what_crosses_the_network(algorithm, down, up_config, up_metrics):
     assert up.nbytes() == MLP_BYTES + 8 * len(up_config)
     gamma = sim.algorithm.p.gamma  # Eq. (37): η = γ η(−1) + (1 − γ) η_raw
     assert up.config["eta"] == pytest.approx(gamma * 0.05 + (1 - gamma) * up.metrics["eta_raw"], rel=1e-12)
-    assert "probe" not in state  # the probe's statistics go to the new state, the old one is intact
+    # the probe's statistics are this round's only (LocalPlan.derived): no client state keeps them
+    assert "probe" not in state and out.state is not None and "probe" not in out.state
 
 
 def _run(algorithm: dict, rounds: int = 3, **over):
@@ -397,16 +454,12 @@ def test_learns_on_digits_and_checkpoints(algorithm):
 def test_cost_minimiser_on_a_hand_checkable_convex_case():
     """β = 0: the cost is (1 − β) η², minimised at 0 whatever the entropy term; β > 0 with p̄ = 1 fixed
     (g = 0): H = β·1·log 1 + (1 − β) η², again minimised at 0."""
-    from fedskew.algorithms.fedent import minimise_cost
-
     assert float(minimise_cost(1.0, 2.0, 3.0, 0.5, 1.0, 0.0, 1.0)) == pytest.approx(0.0, abs=1e-9)
     assert float(minimise_cost(0.0, 0.0, 4.0, 1.0, 4.0, 0.9, 1.0)) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_cost_minimiser_agrees_with_the_stationary_point_where_the_cost_is_convex():
     """Where 1 + cG > 0 at an interior root, Eq. (23)'s root is the minimiser of the mean-field cost."""
-    from fedskew.algorithms.fedent import mean_field_cost, minimise_cost, solve_eta
-
     s, G, X, theta, phi, beta = 0.02, 0.05, 1.0, 0.5, 0.6, 0.5  # p̄(0) = 0.83 > 1/e: c > 0
     eta, _ = solve_eta(s, G, X, theta, phi, beta)
     m = minimise_cost(s, G, X, theta, phi, beta, 1.0)
@@ -427,14 +480,12 @@ def test_cost_minimiser_agrees_with_the_stationary_point_where_the_cost_is_conve
 def test_cost_minimiser_leaves_the_stationary_point_in_the_non_convex_regime():
     """p̄ < 1/e makes c < 0; with 1 + cG < 0 the cost is concave near the root, which is then a maximum:
     the minimiser is on the boundary and has a lower cost than the root."""
-    from fedskew.algorithms.fedent import _f64, mean_field_cost, minimise_cost, solve_eta
-
     s, G, X, theta, phi, beta = 0.5, 4.0, 1.0, 0.01, 1.0, 0.99  # p̄(0) = 0.01: c ≈ −3.6·99·0.01, cG < −1
     c0 = beta * theta * (1 + math.log(theta * X / phi)) / ((1 - beta) * phi)
     assert 1 + c0 * G < 0
     eta, _ = solve_eta(s, G, X, theta, phi, beta)
     m = minimise_cost(s, G, X, theta, phi, beta, 1.0)
-    args = [_f64(v) for v in (X, s, G, theta, phi)]
+    args = [to_f64(v) for v in (X, s, G, theta, phi)]
     assert float(mean_field_cost(m, *args, beta)) < float(mean_field_cost(eta, *args, beta)) - 1e-9
     assert float(m) in (pytest.approx(0.0, abs=1e-9), pytest.approx(1.0, abs=1e-9))
 

@@ -15,6 +15,7 @@ from fedskew.algorithms.base import (
     Batch,
     ClientView,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
     Scratch,
@@ -161,12 +162,14 @@ def test_client_upload_and_server_aggregate_on_a_tiny_federation():
         view = ClientView(cid, x, y, torch.bincount(y, minlength=3))
         load_state(model, alg.model_weights(payload, {}))
         assert getattr(model, SCALE).tolist() == [2.0]  # s is received with the body
-        plan = alg.start_local(model, payload, {}, view, info(cid))
-        scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info(cid)))
+        step = LocalStep(model=model, payload=payload, state={}, client=view, info=info(cid))
+        plan = alg.start_local(step)
+        assert plan.derived == {}  # nothing derived for the round
+        step = step.replace(scratch=Scratch(alg.init_scratch(step)))
         with torch.no_grad():  # stand-in for local training: set the weights and the scale
             model.body.weight.copy_(w)
             getattr(model, SCALE).fill_(3.0 + cid)
-        out = alg.finish_local(model, payload, plan.state, view, scratch, LocalResult(1, 0.0, 0.1), info(cid))
+        out = alg.finish_local(step, LocalResult(1, 0.0, 0.1))
         assert out.state == {}
         uploads.append(Upload(cid, 3, out.upload))
     # client 0: z = x (identity body): class 0 means of normalised (1,1)/√2 and (1,0), then normalised
@@ -179,8 +182,10 @@ def test_client_upload_and_server_aggregate_on_a_tiny_federation():
     assert uploads[0].payload.nbytes() == 4 * 9 + 8 * 4
     assert uploads[0].payload.num_params() == 9  # integer metadata is not counted
     old, before = server, {k: v.clone() for k, v in server.items() if isinstance(v, torch.Tensor)}
-    server = alg.aggregate(server, uploads, info(None))
+    update = alg.aggregate(server, uploads, info(None))
+    server = update.state
     assert all(torch.equal(old[k], v) for k, v in before.items())  # a new state; the old one is intact
+    assert set(server) == set(old) == {"weights", "protos", "scale"}  # the diagnostics are metrics only
     # equal sample counts: body and s are the plain means
     assert torch.allclose(server["weights"]["body.weight"], torch.tensor([[1.5, 0.0], [0.0, 0.0]]))
     assert torch.allclose(server["scale"], torch.tensor([3.5]))
@@ -188,7 +193,9 @@ def test_client_upload_and_server_aggregate_on_a_tiny_federation():
     t2 = F.normalize(torch.tensor([[0.5, -0.5]]), dim=1)[0]
     v2 = 0.9 * protos0[2] + 0.1 * t2
     assert torch.allclose(server["protos"][2], v2 / v2.norm(), atol=1e-6)
-    assert server["updated"] == 3 and server["shift"] > 0
+    assert update.metrics["proto_updated"] == 3 and update.metrics["proto_shift_deg"] > 0
+    assert update.metrics["fednh_scale"] == pytest.approx(3.5)
+    assert update.metrics["proto_max_cos"] == max_pairwise_cosine(server["protos"])
     assert torch.equal(server["weights"]["classifier.weight"], head0)  # the unused head is never aggregated
 
 
@@ -203,16 +210,17 @@ def test_local_logits_are_scale_times_cosine_and_only_the_body_and_scale_train()
     x, y = torch.tensor([[1.0, 1.0], [3.0, -4.0]]), torch.tensor([0, 2])
     view = ClientView(0, x, y, torch.bincount(y, minlength=3))
     load_state(model, alg.model_weights(payload, {}))
-    plan = alg.start_local(model, payload, {}, view, info(0))
+    step = LocalStep(model=model, payload=payload, state={}, client=view, info=info(0))
+    plan = alg.start_local(step)
     (phase,) = plan.phases
-    scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info(0)))
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
     with torch.no_grad():
         model.body.weight.copy_(torch.eye(2))
     # z = x: cos((1,1), ·) = (1/√2, 1/√2, 1/(5√2)); cos((3,−4), ·) = (3/5, −4/5, −25/25)
     r2 = 1 / math.sqrt(2)
     expected = 4.0 * torch.tensor([[r2, r2, 0.2 * r2], [0.6, -0.8, -1.0]])
     assert torch.allclose(cosine_logits(x, protos, 4.0), expected, atol=1e-6)
-    loss = alg.local_loss(model, Batch(x, y), payload, plan.state, scratch)
+    loss = alg.local_loss(step, Batch(x, y))
     assert torch.allclose(loss, F.cross_entropy(expected, y), atol=1e-6)
     assert torch.allclose(alg.predict(model, x, payload, None)["logits"], expected, atol=1e-6)
     # the scale is a trainable parameter of the local model; the head is frozen
@@ -223,7 +231,7 @@ def test_local_logits_are_scale_times_cosine_and_only_the_body_and_scale_train()
     assert getattr(model, SCALE).grad is not None and float(getattr(model, SCALE).grad.abs()) > 0
     fixed = tiny_fednh(learn_scale=False)
     payload = fixed.broadcast(fixed.init_server(Lin()), info(0))
-    (phase,) = fixed.start_local(local_model(fixed), payload, {}, view, info(0)).phases
+    (phase,) = fixed.start_local(LocalStep(local_model(fixed), payload, {}, view, info(0))).phases
     assert phase.trainable is not None and not phase.trainable(SCALE)
 
 
@@ -239,8 +247,8 @@ def test_scale_gradient_flows_and_a_fixed_scale_is_not_averaged():
             "counts": torch.tensor([1]),
         }
     )
-    server = alg.aggregate(server, [Upload(0, 1, up)], info(None))
-    assert server["scale"].tolist() == [5.0]
+    update = alg.aggregate(server, [Upload(0, 1, up)], info(None))
+    assert update.state["scale"].tolist() == [5.0] and update.metrics["fednh_scale"] == 5.0
 
 
 # ------------------------------------------------------------------------------------ (5) validation

@@ -3,10 +3,21 @@ what crosses the network, heterogeneous models, and end-to-end learning on digit
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, Batch, ClientView, Context, Payload, RoundInfo, Scratch
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Batch,
+    ClientView,
+    Context,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    Scratch,
+    Upload,
+)
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.fedproto import prototype_regularizer
 from fedskew.experiment.config import build_config
@@ -56,9 +67,10 @@ def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
     )
     view = ClientView(cid=0, x=x, y=y, class_counts=torch.bincount(y, minlength=3))
     before = {k: v.clone() for k, v in payload.arrays.items()}
-    # what the engine hands local_loss: the read-only mapping of what init_scratch made
-    scratch = Scratch(alg.init_scratch(model, payload, {}, view, RoundInfo(1, 0, 0)))
-    loss = alg.local_loss(model, Batch(x, y), payload, {}, scratch)
+    # what the engine hands local_loss: the step with the read-only mapping of what init_scratch made
+    step = LocalStep(model=model, payload=payload, state={}, client=view, info=RoundInfo(1, 0, 0))
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
+    loss = alg.local_loss(step, Batch(x, y))
     h = torch.tensor([[1.0, 2.0], [2.0, 0.0], [0.0, 2.0], [1.0, -2.0]])  # body(x) by hand
     reg = (((1 - 1) ** 2 + (2 - 1) ** 2) + ((2 - 1) ** 2 + (0 - 1) ** 2) + (0**2 + (2 - 3) ** 2) + 0.0) / (
         4 * 2
@@ -69,6 +81,31 @@ def test_fedproto_loss_is_the_spec_formula_on_a_tiny_batch():
     loss.backward()
     assert all(torch.equal(v, before[k]) for k, v in payload.arrays.items())
     assert all(not v.requires_grad and v.grad is None for v in payload.arrays.values())
+
+
+def test_aggregate_reports_the_prototype_distance_as_a_metric():
+    """Eq. (6) by hand; the prototype distance and the number of classes with a global prototype are the
+    round's metrics, never server state."""
+    alg = ALGORITHMS.get("fedproto")(ALGORITHMS.get("fedproto").Params(), tiny_ctx())
+    server = alg.init_server(Lin())
+    assert set(server) == {"protos", "present"}
+
+    def upload(cid: int, classes: list[int], protos: list[list[float]], counts: list[int]) -> Upload:
+        arrays = {
+            "classes": torch.tensor(classes),
+            "protos": torch.tensor(protos),
+            "counts": torch.tensor(counts),
+        }
+        return Upload(cid, sum(counts), Payload(arrays=arrays))
+
+    uploads = [upload(0, [0, 1], [[1.0, 0.0], [0.0, 2.0]], [2, 1]), upload(1, [1], [[0.0, 4.0]], [3])]
+    update = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
+    # class 1: (1·(0, 2) + 3·(0, 4)) / 4 = (0, 3.5); class 2 was not uploaded
+    assert torch.allclose(update.state["protos"], torch.tensor([[1.0, 0.0], [0.0, 3.5], [0.0, 0.0]]))
+    assert update.state["present"].tolist() == [True, True, False] and set(update.state) == set(server)
+    # squared distances per dimension of the uploaded prototypes to the new global ones: 1.5² and 0.5²
+    assert update.metrics == {"proto_distance": pytest.approx((1.5**2 + 0.5**2) / 6), "proto_classes": 2}
+    assert not server["present"].any()  # the old state is intact
 
 
 def test_prototype_level_regularizer_is_sample_form_minus_within_class_scatter():
@@ -175,13 +212,14 @@ def test_fedrep_trains_head_on_a_frozen_body_then_the_body():
     head0 = sim.algorithm.ctx.initial_state(0)["classifier.1.weight"]
     assert not torch.equal(sim.client_states[0]["personal"]["classifier.1.weight"], head0)
     state = sim.client_state(0)
-    plan = sim.algorithm.start_local(
-        sim.runtime.models.model_for(0),
-        sim.algorithm.broadcast(sim.server, RoundInfo(2, 0, sim.seed)),
-        state,
-        sim.runtime.data.view(0),
-        RoundInfo(2, 0, sim.seed),
+    step = LocalStep(
+        model=sim.runtime.models.model_for(0),
+        payload=sim.algorithm.broadcast(sim.server, RoundInfo(2, 0, sim.seed)),
+        state=state,
+        client=sim.runtime.data.view(0),
+        info=RoundInfo(2, 0, sim.seed),
     )
+    plan = sim.algorithm.start_local(step)
     phases = plan.phases
     assert [p.epochs for p in phases] == [3, 0]
     assert phases[0].trainable("classifier.1.weight") and not phases[0].trainable("body.1.weight")

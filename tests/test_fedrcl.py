@@ -16,6 +16,7 @@ from fedskew.algorithms.base import (
     ClientView,
     Context,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
     Scratch,
@@ -199,8 +200,10 @@ def test_local_loss_is_ce_plus_beta_times_mean_over_levels_and_gradients_route()
     alg = cls(cls.Params(beta=0.5, tau=0.2, threshold=0.3), _ctx())
     model = MODELS.get("cnn_fedproto")((1, 28, 28), 10, dropout=0.0)
     x, y = torch.randn(6, 1, 28, 28), torch.tensor([0, 0, 1, 1, 1, 2])
-    scratch = Scratch(alg.init_scratch(model, Payload(), {}, _view(x, y), RoundInfo(1, 0, 0)))
-    loss = alg.local_loss(model, Batch(x, y), Payload(), {}, scratch)
+    step = LocalStep(model=model, payload=Payload(), state={}, client=_view(x, y), info=RoundInfo(1, 0, 0))
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
+    scratch = step.scratch
+    loss = alg.local_loss(step, Batch(x, y))
     with torch.no_grad():
         z, levels = collect_features(model, x)
         rcl = [relaxed_contrastive_loss(h, y, 0.2, 0.3, 1.0) for h in levels]
@@ -250,10 +253,12 @@ def test_aggregate_is_fedavg_and_diagnostics_are_logged() -> None:
     x, y = torch.randn(8, 1, 28, 28), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     view, info = _view(x, y), RoundInfo(1, 0, 0)
     state: dict = {}
-    plan = alg.start_local(model, payload, state, view, info)
-    scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info))
-    alg.local_loss(model, Batch(x, y), payload, plan.state, scratch)
-    out = alg.finish_local(model, payload, plan.state, view, scratch, LocalResult(1, 0.0, 0.1), info)
+    step = LocalStep(model=model, payload=payload, state=state, client=view, info=info)
+    plan = alg.start_local(step)
+    step = step.replace(derived=plan.derived)
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
+    alg.local_loss(step, Batch(x, y))
+    out = alg.finish_local(step, LocalResult(1, 0.0, 0.1))
     assert out.state == {}  # FedRCL keeps no client state
     up = out.upload
     # diagnostics are metrics (logged, not counted): the upload is the model alone
@@ -276,11 +281,13 @@ def test_aggregate_is_fedavg_and_diagnostics_are_logged() -> None:
         Upload(0, 3, up),
         Upload(1, 1, Payload(arrays=model_arrays(other), metrics=dict(up.metrics, rcl_scl=0.0))),
     ]
-    new = alg.aggregate(server, ups, RoundInfo(1, None, 0))
-    assert "diag" not in server  # aggregate returns a new state
+    update = alg.aggregate(server, ups, RoundInfo(1, None, 0))
+    # aggregate returns a new state, without the diagnostics (the round's metrics)
+    assert set(update.state) == set(server) == {"weights"}
     w = model.state_dict()["classifier.1.weight"]
-    assert torch.allclose(new["weights"]["classifier.1.weight"], w + 0.25, atol=1e-6)
-    assert alg.round_metrics(new)["rcl_scl"] == pytest.approx(0.75 * up.metrics["rcl_scl"])
+    assert torch.allclose(update.state["weights"]["classifier.1.weight"], w + 0.25, atol=1e-6)
+    assert set(update.metrics) == set(DIAG_KEYS)
+    assert update.metrics["rcl_scl"] == pytest.approx(0.75 * up.metrics["rcl_scl"])
 
 
 def test_no_batch_run_uploads_no_diagnostics() -> None:
@@ -291,8 +298,9 @@ def test_no_batch_run_uploads_no_diagnostics() -> None:
     payload = alg.broadcast(alg.init_server(model), RoundInfo(1, 0, 0))
     x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 0, 1, 1])
     view, info = _view(x, y), RoundInfo(1, 0, 0)
-    scratch = Scratch(alg.init_scratch(model, payload, {}, view, info))
-    out = alg.finish_local(model, payload, {}, view, scratch, LocalResult(0, float("nan"), 0.1), info)
+    step = LocalStep(model=model, payload=payload, state={}, client=view, info=info)
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
+    out = alg.finish_local(step, LocalResult(0, float("nan"), 0.1))
     assert out.upload.metrics == {}
     assert all(torch.equal(v, payload.arrays[k]) for k, v in out.upload.arrays.items())
 

@@ -10,7 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.base import ALGORITHMS, MODEL_PREFIX, ClientView, Payload, RoundInfo, load_state
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    MODEL_PREFIX,
+    Batch,
+    ClientView,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    Scratch,
+    Upload,
+    load_state,
+    model_arrays,
+)
 from fedskew.algorithms.fedskc import (
     discrepancies,
     gda_weights,
@@ -185,22 +197,64 @@ def test_upload_is_silu_of_the_final_models_class_mean_logits():
 
 
 def test_lcl_weight_ramps_with_the_round_given_by_the_runtime():
-    """The LCL weight of round r is min(1, r/warmup)·weight, from ``RoundInfo`` (no round is sent)."""
+    """The LCL weight of round r is min(1, r/warmup)·weight, which ``local_loss`` takes from the step's
+    ``RoundInfo`` (no round is sent, nothing is kept in scratch): L = L_CE + weight · L_LCL."""
     ctx = tiny_context()
     cls = ALGORITHMS.get("fedskc")
     model = TinyLinearModel()
     server = cls(cls.Params(), ctx).init_server(model)
-    x, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+    glob = torch.tensor([[1.0, 0.0, -1.0], [0.0, 1.0, 0.5], [-1.0, 0.5, 1.0]])
+    server = {**server, "protos": glob, "has": torch.ones(3, dtype=torch.bool)}  # c̃ of a later round
+    x, y = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 2.0]]), torch.tensor([0, 1, 2])
     view = ClientView(0, x, y, torch.bincount(y, minlength=3))
 
     def weight(r: int, **params) -> float:
         alg = cls(cls.Params(**params), ctx)
-        payload = alg.broadcast(server, RoundInfo(r, 0, 0))
-        return float(alg.init_scratch(model, payload, {}, view, RoundInfo(r, 0, 0))["lcl_weight"])
+        info = RoundInfo(r, 0, 0)
+        step = LocalStep(model=model, payload=alg.broadcast(server, info), state={}, client=view, info=info)
+        step = step.replace(scratch=Scratch(alg.init_scratch(step)))
+        assert "lcl_weight" not in step.scratch
+        with torch.no_grad():
+            loss = float(alg.local_loss(step, Batch(x, y)))
+            logits = model(x)
+            ce = float(F.cross_entropy(logits, y))
+            lcl = float(lcl_loss(logits, y, glob, torch.ones(3, dtype=torch.bool), alg.p.tau, None))
+        assert lcl > 0.1
+        assert loss == pytest.approx(ce + alg.lcl_weight(r) * lcl, rel=1e-6)
+        return alg.lcl_weight(r)
 
     assert [weight(r, lcl_weight=2.0, lcl_warmup=4) for r in (1, 2, 4, 9)] == [0.5, 1.0, 2.0, 2.0]
     assert weight(1, lcl_weight=2.0) == 2.0  # no warm-up (the paper)
     assert weight(5, lcl=False) == 0.0
+
+
+def test_aggregate_returns_the_diagnostics_as_metrics():
+    """GDA weights, γ_r and the clients' loss statistics are the round's metrics, never server state;
+    round 1 has no c̃_{r−1}, so γ is NaN (no GPR), and round 2 reviews the period."""
+    ctx = tiny_context()
+    cls = ALGORITHMS.get("fedskc")
+    alg = cls(cls.Params(), ctx)
+    model = TinyLinearModel()
+    server = alg.init_server(model)
+    assert set(server) == {"weights", "protos", "has"}
+
+    def upload(cid: int, shift: float, classes: list[int]) -> Upload:
+        arrays = model_arrays({k: v + shift for k, v in model.state_dict().items()})
+        protos = torch.arange(9.0).reshape(3, 3)[classes] * (1.0 + shift)
+        arrays.update(classes=torch.tensor(classes), protos=protos)
+        return Upload(cid, 3, Payload(arrays=arrays, metrics={"ce": 1.0 + cid, "lcl": 0.5, "lcl_u": 2.0}))
+
+    uploads = [upload(0, 0.0, [0, 1]), upload(1, 1.0, [1, 2])]
+    first = alg.aggregate(server, uploads, RoundInfo(1, None, 0))
+    keys = {"gda_weights", "gda_weight_min", "gda_weight_max", "gda_l1_to_fedavg", "gda_l1_to_uniform"}
+    keys |= {"discrepancy_mean", "gamma", "proto_norm", "ce_loss", "lcl_loss", "lcl_u"}
+    assert set(first.metrics) == keys and set(first.state) == set(server)
+    assert math.isnan(first.metrics["gamma"]) and first.metrics["ce_loss"] == 1.5
+    assert sum(first.metrics["gda_weights"]) == pytest.approx(1.0)
+    second = alg.aggregate(
+        first.state, [upload(0, 2.0, [0, 1]), upload(1, 3.0, [1, 2])], RoundInfo(2, None, 0)
+    )
+    assert math.isfinite(second.metrics["gamma"]) and set(second.state) == set(server)
 
 
 def test_all_components_off_is_fedavg(tmp_path):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fedskew.algorithms.base import MODEL_PREFIX, RoundInfo
+from fedskew.algorithms.base import ALGORITHMS, MODEL_PREFIX, Payload, RoundInfo, Upload, model_arrays
 from fedskew.algorithms.mpfedcl import (
     class_table,
     cluster_class,
@@ -17,13 +17,13 @@ from fedskew.algorithms.mpfedcl import (
     pooled_contrastive_loss,
     prototype_contrastive_loss,
 )
+from fedskew.algorithms.protos import kmeans, nearest_prototype_scores
 from fedskew.data.datasets import digits
 from fedskew.data.federated import build_federated
 from fedskew.engine.client import prepare_client, run_phases, train_client
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_data, build_simulation, run_experiment
-from fedskew.protos import kmeans, nearest_prototype_scores
-from tests.conftest import digits_config
+from tests.conftest import TinyLinearModel, digits_config, tiny_context
 
 
 def slice_loss_by_hand(z, y, pool, tau):
@@ -147,6 +147,32 @@ def test_nearest_prototype_over_a_multi_prototype_pool():
     scores = nearest_prototype_scores(x, table, mask)
     assert scores.argmax(1).tolist() == [0, 1, 2, 0]  # [9, 1] is nearest to class 0's second prototype
     assert bool(torch.isinf(scores[:, 3]).all())  # a class with no prototype is never predicted
+
+
+def test_aggregate_keeps_the_pool_in_state_and_reports_it_as_metrics():
+    """The pool (Eq. 8) replaces each uploader's previous centroids; its size and coverage are the round's
+    metrics (none while the pool is empty), never server state."""
+    cls = ALGORITHMS.get("mpfedcl")
+    alg = cls(cls.Params(), tiny_context())
+    model = TinyLinearModel()
+    server = alg.init_server(model)
+
+    def upload(cid: int, classes: list[int]) -> Upload:
+        arrays = model_arrays(model.state_dict())
+        ids = torch.tensor(classes, dtype=torch.long)
+        arrays.update(protos=torch.full((len(classes), 2), float(cid)), classes=ids)
+        return Upload(cid, 3, Payload(arrays=arrays))
+
+    first = alg.aggregate(server, [upload(0, [0, 0, 1]), upload(1, [2])], RoundInfo(1, None, 0))
+    assert set(first.state) == set(server) == {"weights", "protos", "classes", "owners"}
+    assert first.state["owners"].tolist() == [0, 0, 0, 1] and first.state["classes"].tolist() == [0, 0, 1, 2]
+    # 4 centroids over 3 classes and 3 (client, class) groups
+    assert first.metrics == {"pool_size": 4.0, "pool_classes": 3.0, "protos_per_client_class": 4 / 3}
+    second = alg.aggregate(first.state, [upload(0, [1])], RoundInfo(2, None, 0))
+    assert second.state["owners"].tolist() == [1, 0] and second.state["classes"].tolist() == [2, 1]
+    assert second.metrics == {"pool_size": 2.0, "pool_classes": 2.0, "protos_per_client_class": 1.0}
+    assert server["protos"].shape[0] == 0  # the old state is intact
+    assert alg.aggregate(server, [upload(0, [])], RoundInfo(1, None, 0)).metrics == {}  # an empty pool
 
 
 def mp_config(alg: str, rounds: int = 6, **algo) -> dict:

@@ -1,4 +1,4 @@
-"""Prototype primitives (fedskew.protos) on hand-checkable tensors."""
+"""Prototype primitives (fedskew.algorithms.protos) on hand-checkable tensors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedskew.errors import ConfigError
-from fedskew.protos import (
+from fedskew.algorithms.protos import (
     ClassAccumulator,
     aggregate_prototypes,
     class_means,
@@ -16,6 +15,7 @@ from fedskew.protos import (
     nearest_prototype_scores,
     pack,
 )
+from fedskew.errors import ConfigError
 
 
 def test_class_means_and_counts():

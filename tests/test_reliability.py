@@ -110,7 +110,7 @@ def test_a_contract_error_is_never_dropped():
     from fedskew.algorithms.base import ContractError
 
     class Broken(Faulty):
-        def finish_local(self, model, payload, state, client, scratch, result, info):
+        def finish_local(self, step, result):
             raise ContractError("finish_local broke the contract")
 
     with ALGORITHMS.replaced("fedavg", Broken), pytest.raises(ContractError, match="broke the contract"):
@@ -236,11 +236,11 @@ class _KillOwnWorker(Faulty):
 
     marker = Path()
 
-    def finish_local(self, model, payload, state, client, scratch, result, info):
-        if info.round == 2 and not self.marker.exists() and os.getpid() != self.parent:
+    def finish_local(self, step, result):
+        if step.info.round == 2 and not self.marker.exists() and os.getpid() != self.parent:
             self.marker.write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().finish_local(model, payload, state, client, scratch, result, info)
+        return super().finish_local(step, result)
 
 
 @pytest.mark.slow
@@ -261,10 +261,10 @@ def test_a_worker_that_always_dies_fails_the_run_with_one_line(tmp_path):
         marker = tmp_path / "never-created" / "x"
         parent = os.getpid()
 
-        def finish_local(self, model, payload, state, client, scratch, result, info):
+        def finish_local(self, step, result):
             if os.getpid() != self.parent:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return super().finish_local(model, payload, state, client, scratch, result, info)
+            return super().finish_local(step, result)
 
     with ALGORITHMS.replaced("fedavg", Always), pytest.raises(RunFailure, match=r"round 1: engine worker"):
         run_experiment(build_config(_cfg(workers=2)), tmp_path / "run")

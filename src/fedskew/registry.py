@@ -58,6 +58,16 @@ class Registry(Generic[T]):
             else:
                 self._items[name] = before
 
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Whatever is registered inside the ``with`` block is forgotten on exit (tests running examples)."""
+        before = dict(self._items)
+        try:
+            yield
+        finally:
+            self._items.clear()
+            self._items.update(before)
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 

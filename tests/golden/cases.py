@@ -41,7 +41,7 @@ Records = list[dict[str, Any]]
 
 
 def _personal(name: str) -> bool:
-    return bool(getattr(ALGORITHMS.get(name), "personalized_eval", False))
+    return bool(ALGORITHMS.get(name).personalized_eval)
 
 
 def case_config(name: str) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def case_config(name: str) -> dict[str, Any]:
             "embed_dim": 32,
             "per_client": {"0-1": {"hidden": 48}, "2-3": {"hidden": 80}},
         }
-    elif getattr(ALGORITHMS.get(alg), "vision_language", False):  # heads over frozen-backbone features
+    elif ALGORITHMS.get(alg).vision_language:  # heads over frozen-backbone features
         cfg["data"]["vision_language"] = VL_WORLD
         cfg["model"] = {"name": "identity"}
     else:

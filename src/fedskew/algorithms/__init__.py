@@ -4,6 +4,7 @@ from fedskew.algorithms import (  # noqa: F401
     cachefl,
     clip_baselines,
     fedavg,
+    fedcos,
     feddyn,
     fedent,
     fednh,

@@ -31,13 +31,12 @@ from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
-    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
-    Payload,
+    LocalStep,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
@@ -131,27 +130,18 @@ class CacheFL(VisionLanguageMethod):
     def trained(self, name: str) -> bool:
         return name == "keys"
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        out = super().finish_local(model, payload, state, client, scratch, result, info)
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        out = super().finish_local(step, result)
         if self.p.renormalize_keys:
             out.upload.arrays = {k: F.normalize(v, dim=1) for k, v in out.upload.arrays.items()}
         return out
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """Eq. (9): ``W1 ← Σ_k w_k W1_k`` with ``w_k = n_k / Σ_{S_t} n_j`` (or ``n_k / n``, ``total``)."""
         n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
         total = n.sum() if self.p.aggregation == "participants" else self.ctx.client_sizes.double().sum()
         new = weighted_average([u.payload.model_state() for u in uploads], n / total)
-        return {**server, "weights": model_arrays(new)}
+        return ServerUpdate({**server, "weights": model_arrays(new)})
 
 
 @ALGORITHMS.register("cachefl_notrain")

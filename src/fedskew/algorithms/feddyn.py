@@ -22,13 +22,13 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
@@ -61,31 +61,21 @@ class FedDyn(Algorithm):
     def init_client(self, cid: int) -> State:
         return {"grad": self.ctx.zero_params(cid)}
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        loss = super().local_loss(model, batch, payload, state, scratch)
-        grad = state["grad"]
-        linear = [(grad[n] * p).sum() for n, p in model.named_parameters()]
-        prox = proximal_term(model, payload.model_state())
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        loss = super().local_loss(step, batch)
+        grad = step.state["grad"]
+        linear = [(grad[n] * p).sum() for n, p in step.model.named_parameters()]
+        prox = proximal_term(step.model, step.payload.model_state())
         return loss - sum(linear[1:], linear[0]) + 0.5 * self.p.alpha * prox
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        prev = payload.model_state()
-        params = dict(model.named_parameters())
-        grad = {n: g - self.p.alpha * (params[n].detach() - prev[n]) for n, g in state["grad"].items()}
-        return LocalOutput(Payload(arrays=model_arrays(model.state_dict())), {**state, "grad": grad})
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        prev = step.payload.model_state()
+        params = dict(step.model.named_parameters())
+        grad = {n: g - self.p.alpha * (params[n].detach() - prev[n]) for n, g in step.state["grad"].items()}
+        upload = Payload(arrays=model_arrays(step.model.state_dict()))
+        return LocalOutput(upload, {**step.state, "grad": grad})
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         prev = server["weights"]
         n = len(uploads)
         mean = weighted_average([u.payload.model_state() for u in uploads], torch.full((n,), 1.0 / n))
@@ -95,4 +85,4 @@ class FedDyn(Algorithm):
         for name, h in server["h"].items():
             h_new[name] = h - scale * (mean[name] - prev[name])
             new[name] = mean[name] - h_new[name] / self.p.alpha
-        return {**server, "weights": new, "h": h_new}
+        return ServerUpdate({**server, "weights": new, "h": h_new})

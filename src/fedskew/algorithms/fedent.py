@@ -1,42 +1,40 @@
 """FedEnt (Zheng, Yuan, Wang, Duan 2024, "Adaptive Federated Learning via New Entropy Approach",
-arXiv:2303.14966v3), with the distance-metric variants FedCos and FedNorm of its §6.2.3.
+arXiv:2303.14966v3), with the distance-metric variant FedNorm of its §6.2.3 (FedCos, the other one, is
+:mod:`fedskew.algorithms.fedcos`; the numerics are :mod:`fedskew.algorithms.fedent_solver`).
 
 FedEnt is FedAvg with one scalar learning rate ``η_i(t)`` per client and round, held for all ``E`` local
 epochs (Algorithm 2). It solves the mean-field optimal-control problem of Eqs. (15)–(16): the cost is
 ``β Σ_j p̄_j log p̄_j + (1 − β) η_i²`` with ``p̄_i = θ_i ‖w_i‖² / φ2`` (Eq. 13), and Pontryagin's conditions
-(Eqs. 19–22) give Proposition 1, Eq. (17)/(23):
-
-    η = c(η) (s − η G),   c(η) = β θ_i (1 + log p̄(η)) / ((1 − β) φ2(t+1)),   p̄(η) = θ_i ‖x − η g‖² / φ2(t+1)
-
-with ``x = φ1(t)``, ``g = ∇F_i(x)``, ``s = xᵀg``, ``G = ‖g‖²``; hence Eq. (24) ``η = max{0, c s / (1 + c G)}``
-(the paper prints ``‖g‖`` for ``‖g‖²``: option ``eq24="printed"``). ``p̄`` still depends on ``η`` and the
-paper gives no procedure; we solve the scalar equation by damped substitution with a bracketed-root
-fallback and clip to ``[0, η_max]`` (docs/decisions.md, "FedEnt: solving the implicit Eq. (23)"). The value
-used is the EMA of Eq. (37), ``η_i(t) = γ η_i(t−1) + (1 − γ) η_raw``, seeded with ``η_i(−1) = client.lr``
-(docs/decisions.md, "FedEnt: initial rate η_i(−1)"); aggregation is FedAvg's (Eq. 3).
+(Eqs. 19–22) give Proposition 1, Eq. (17)/(23), solved for η by
+:func:`~fedskew.algorithms.fedent_solver.solve_eta` at ``x = φ1(t)`` with the gradient ``g = ∇F_i(x)`` of
+one probe mini-batch (Algorithm 2, line 4) and clipped to ``[0, η_max]`` (docs/decisions.md, "FedEnt:
+solving the implicit Eq. (23)"). The value used is the EMA of Eq. (37), ``η_i(t) = γ η_i(t−1) + (1 − γ)
+η_raw``, seeded with ``η_i(−1) = client.lr`` (docs/decisions.md, "FedEnt: initial rate η_i(−1)");
+aggregation is FedAvg's (Eq. 3). ``start_local`` derives η and the probe statistics for the round; they
+reach ``finish_local`` through ``LocalPlan.derived`` and are never kept in the client's state.
 
 Mean-field estimators (Definition 2, Eqs. 11–12). ``φ1(t)`` is the actual global model ``w(t)``, the
 quantity it estimates (docs/decisions.md, "FedEnt: which point φ1(t) is"). ``φ2(t+1)`` is the scalar fixed
-point of Eq. (28), ``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²`` (once φ1(t) and the gradients
-are known, the only unknown of Algorithm 1 at step t), solved by the server once per round. The paper
-evaluates it before training (Algorithm 1) with every client's gradient at every ``φ1(t)``; the server
-here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous round's participants
-reported (see ``phi2_fixed_point``, docs/algorithms.md and docs/decisions.md,
+point of Eq. (28), ``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²``, solved by the server once per
+round. The paper evaluates it before training (Algorithm 1) with every client's gradient at every
+``φ1(t)``; the server here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous
+round's participants reported (see ``phi2_fixed_point``, docs/algorithms.md and docs/decisions.md,
 "FedEnt: when φ2 is computed"). The full forward pass of Algorithm 1 with a gradient oracle is
-:func:`mean_field_trajectory`.
+:func:`~fedskew.algorithms.fedent_solver.mean_field_trajectory`.
 
-FedCos (Eq. 59): FedAvg whose aggregation weights are the cosine similarities between local and global
-models. FedNorm (Eq. 61): FedEnt's machinery with the cost ``β Σ_j ‖w_i − w‖²`` in place of the entropy,
-whose Hamiltonian solution is ``η = max{0, (φ1(t) − φ1(t+1))ᵀ g / ((1 − β)/(β N) + ‖g‖²)}`` (derived with
-the steps of the proof of Proposition 1, §4.2; the paper refers to Tu et al. 2022 for it).
+FedNorm (Eq. 61): FedEnt's machinery with the cost ``β Σ_j ‖w_i − w‖²`` in place of the entropy, whose
+Hamiltonian solution is ``η = max{0, (φ1(t) − φ1(t+1))ᵀ g / ((1 − β)/(β N) + ‖g‖²)}`` (derived with the
+steps of the proof of Proposition 1, §4.2; the paper refers to Tu et al. 2022 for it).
+
+The round's diagnostics (rates, solver regime, entropy, drift, φ2) are :class:`ServerUpdate` metrics, never
+server state.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
@@ -47,343 +45,46 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     Context,
     HyperParams,
     LocalOutput,
     LocalPlan,
     LocalResult,
+    LocalStep,
     Payload,
     Phase,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     load_state,
-    sample_weights,
-    weighted_average,
+)
+from fedskew.algorithms.fedent_solver import (
+    BRACKETED_ROOT,
+    CLOSED_FORM,
+    F64,
+    KEPT,
+    MINIMISED,
+    PBAR_FLOOR,
+    PHI_FLOOR,
+    SATURATED,
+    dot,
+    entropy_term,
+    eq18_bound,
+    eta_fednorm,
+    minimise_cost,
+    phi2_fixed_point,
+    solve_eta,
+    sq_dist,
+    sq_norm,
 )
 from fedskew.seeding import derive_seed
 
 log = logging.getLogger("fedskew.algorithms.fedent")
 
-F64 = torch.float64
 PROBE_KEY = 0xE7E7  # seed key of the mini-batch that probes ∇F_i(w(t)) (Algorithm 2, line 4)
-PBAR_FLOOR = 1e-12  # clamp p̄ to [1e-12, 1] before the log (a safeguard; not in paper)
-PHI_FLOOR = 1e-30  # φ2 > 0; a zero model would divide by zero
-SINGULAR = 1e-12  # |1 + cG| below this: the closed form is singular, use the root search
 PROBE_CHUNK = 1024  # chunk size of the full local gradient (probe="full")
 STEP_PREFIX = "mf_step."  # FedNorm: payload prefix of the estimate of φ1(t) − φ1(t+1)
-
-#: how the raw learning rate was obtained
-CLOSED_FORM, BRACKETED_ROOT, SATURATED, KEPT, MINIMISED = 0, 1, 2, 3, 4
-
-
-# ================================================================================================ pure math
-def _f64(v: Tensor | float) -> Tensor:
-    return torch.as_tensor(v, dtype=F64)
-
-
-def solve_eta(
-    s: Tensor | float,
-    G: Tensor | float,
-    X: Tensor | float,
-    theta: Tensor | float,
-    phi2_next: Tensor | float,
-    beta: float,
-    *,
-    printed_eq24: bool = False,
-    eta_max: float = 1.0,
-    bound: Tensor | float | None = None,
-    max_inner: int = 50,
-    tol: float = 1e-10,
-    damping: float = 0.5,
-    n_grid: int = 200,
-) -> tuple[Tensor, Tensor]:
-    """FedEnt's raw step size (Prop. 1, Eqs. 17/23/24) for a batch of clients, vectorised, in float64.
-
-    ``s = xᵀg``, ``G = ‖g‖²``, ``X = ‖x‖²``; all arguments broadcast together. Returns ``(eta, branch)``:
-    ``eta`` in ``[0, min(eta_max, bound)]``, always finite; ``branch`` is :data:`CLOSED_FORM` (damped
-    substitution of ``η = max{0, c s / (1 + c K)}`` converged), :data:`BRACKETED_ROOT` (smallest root of
-    the division-free residual ``η − c(η)(s − η K)`` by grid bracketing + bisection) or :data:`SATURATED`
-    (no root: the side the residual points to). ``K = G`` (the algebra of Eq. 23) or ``√G`` (``printed_eq24``:
-    Eq. 24 as printed). ``bound`` is the optional Eq. (18) clip.
-    """
-    s, G, X, theta, phi = torch.broadcast_tensors(_f64(s), _f64(G), _f64(X), _f64(theta), _f64(phi2_next))
-    phi = phi.clamp_min(PHI_FLOOR)
-    hi = torch.full_like(s, float(eta_max))
-    if bound is not None:  # a NaN bound (degenerate inputs) leaves eta_max
-        b = _f64(bound).expand_as(s)
-        hi = torch.where(torch.isnan(b), hi, torch.minimum(hi, b.clamp_min(0.0)))
-    K = G.sqrt() if printed_eq24 else G
-    scale = beta * theta / ((1.0 - beta) * phi)  # c = scale · (1 + log p̄)
-    terms = (s, G, X, theta, phi, scale, K)
-
-    # 1) damped substitution from η = 0 (not in paper): plain for 3 passes, then damped
-    eta = torch.zeros_like(s)
-    ok = torch.zeros_like(s, dtype=torch.bool)
-    active = torch.ones_like(ok)
-    for k in range(max_inner):
-        if not bool(active.any()):
-            break
-        c = _c_of(eta, *terms)
-        den = 1.0 + c * K
-        new = torch.minimum((c * s / den).clamp_min(0.0), hi)  # paper: max{0, ·}; domain η ∈ [0, 1]
-        bad = (den.abs() < SINGULAR) | ~torch.isfinite(new)
-        conv = active & ~bad & ((new - eta).abs() <= tol * eta.abs().clamp_min(1.0))
-        step = new if k < 3 else (1.0 - damping) * eta + damping * new
-        eta = torch.where(conv, new, torch.where(active & ~bad, step, eta))
-        ok |= conv
-        active &= ~conv & ~bad
-    branch = torch.full_like(s, CLOSED_FORM, dtype=torch.long)
-
-    # 2) fallback (singular, non-finite or not converged): smallest root of the residual on [0, hi]
-    idx = (~ok).reshape(-1).nonzero().flatten()
-    if idx.numel():
-        sub = [t.reshape(-1)[idx, None] for t in terms]  # [m, 1] each
-        hi_m = hi.reshape(-1)[idx, None]
-
-        def residual(e: Tensor) -> Tensor:  # Eq. (23) without division: η − c(η)(s − η K)
-            return e - _c_of(e, *sub) * (sub[0] - e * sub[6])
-
-        grid = hi_m * torch.linspace(0.0, 1.0, n_grid + 1, dtype=F64)  # [m, n_grid + 1]
-        vals = residual(grid)
-        fa, fb = vals[:, :-1], vals[:, 1:]
-        change = (fa == 0.0) | (fa * fb < 0.0)  # NaN compares false: never a bracket
-        has = change.any(1)
-        first = change.int().argmax(1, keepdim=True)
-        a, b, f_a = grid.gather(1, first), grid.gather(1, first + 1), vals.gather(1, first)
-        exact = f_a == 0.0
-        for _ in range(60):
-            m = 0.5 * (a + b)
-            fm = residual(m)
-            left = f_a * fm <= 0.0
-            b = torch.where(left, m, b)
-            a, f_a = torch.where(left, a, m), torch.where(left, f_a, fm)
-        root = torch.where(exact, a, 0.5 * (a + b)).squeeze(1)
-        edge = torch.where(vals[:, -1] < 0.0, hi_m[:, 0], torch.zeros_like(root))
-        eta, branch = eta.reshape(-1).clone(), branch.reshape(-1).clone()
-        eta[idx] = torch.where(has, root, edge)
-        branch[idx] = torch.where(has, BRACKETED_ROOT, SATURATED)
-        eta, branch = eta.reshape(ok.shape), branch.reshape(ok.shape)
-    eta = torch.minimum(torch.nan_to_num(eta, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0.0), hi)
-    return eta, branch
-
-
-def _c_of(
-    eta: Tensor, s: Tensor, G: Tensor, X: Tensor, theta: Tensor, phi: Tensor, scale: Tensor, K: Tensor
-) -> Tensor:
-    """``c(η) = β θ (1 + log p̄(η)) / ((1 − β) φ2)`` with ``p̄(η) = θ ‖x − ηg‖² / φ2`` clamped to [1e-12, 1]."""
-    sq = X - 2.0 * eta * s + eta * eta * G  # ‖x − ηg‖²
-    p = (theta * sq / phi).clamp(PBAR_FLOOR, 1.0)
-    return scale * (1.0 + torch.log(p))
-
-
-def mean_field_cost(
-    eta: Tensor, X: Tensor, s: Tensor, G: Tensor, theta: Tensor, phi: Tensor, beta: float
-) -> Tensor:
-    """Client i's share of the mean-field cost of Eqs. (15)–(16) at one step, the other clients fixed:
-    ``H(η) = β p̄(η) log p̄(η) + (1 − β) η²`` with ``p̄(η) = θ ‖x − ηg‖² / φ2(t+1)`` clamped to [1e-12, 1].
-    Its stationary points are the solutions of Eq. (23)."""
-    p = (theta * (X - 2.0 * eta * s + eta * eta * G) / phi).clamp(PBAR_FLOOR, 1.0)
-    return beta * p * torch.log(p) + (1.0 - beta) * eta * eta
-
-
-def minimise_cost(
-    s: Tensor | float,
-    G: Tensor | float,
-    X: Tensor | float,
-    theta: Tensor | float,
-    phi2_next: Tensor | float,
-    beta: float,
-    hi: Tensor | float,
-    *,
-    n_grid: int = 400,
-    refine: int = 60,
-) -> Tensor:
-    """The minimiser of :func:`mean_field_cost` on ``[0, hi]`` (not in paper), vectorised in float64.
-
-    Proposition 1 takes the stationary point of Eq. (23) as optimal because ``∂²H/∂η² > 0``, but ``H`` is
-    not convex in ``η`` where ``1 + c G < 0``: there the root can be a maximum and the minimum sits on
-    the boundary. Grid search over ``n_grid + 1`` points, then golden-section refinement in the bracket
-    around the best grid point (the smallest ``η`` among ties)."""
-    s, G, X, theta, phi, hi = torch.broadcast_tensors(
-        _f64(s), _f64(G), _f64(X), _f64(theta), _f64(phi2_next).clamp_min(PHI_FLOOR), _f64(hi)
-    )
-    args = [t.reshape(-1, 1) for t in (X, s, G, theta, phi)]
-    top = hi.reshape(-1, 1)
-    grid = top * torch.linspace(0.0, 1.0, n_grid + 1, dtype=F64)  # [m, n_grid + 1]
-    best = mean_field_cost(grid, *args, beta).argmin(1, keepdim=True)
-    step = top / n_grid
-    a = (grid.gather(1, best) - step).clamp_min(0.0)
-    b = torch.minimum(grid.gather(1, best) + step, top)
-    ratio = (math.sqrt(5.0) - 1.0) / 2.0
-    for _ in range(refine):
-        c, d = b - ratio * (b - a), a + ratio * (b - a)
-        left = mean_field_cost(c, *args, beta) <= mean_field_cost(d, *args, beta)
-        a, b = torch.where(left, a, c), torch.where(left, d, b)
-    inner = 0.5 * (a + b)
-    candidates = torch.cat([inner, grid.gather(1, best)], 1)  # keep the grid point if it is lower
-    pick = mean_field_cost(candidates, *args, beta).argmin(1, keepdim=True)
-    return candidates.gather(1, pick).reshape(s.shape)
-
-
-def eq18_bound(
-    theta: Tensor | float, X: Tensor | float, phi2_next: Tensor | float, beta: float, D: float
-) -> Tensor:
-    """The paper's upper bound, Eq. (18)/(25): ``2 β θ D ‖φ1‖ / ((1 − β) φ2(t+1))`` (rigorous only when
-    ``p̄ ≥ 1/e``, i.e. ``c ≥ 0``: the step of Eq. (25) assumes ``|1 + log p| ≤ 2``, false for ``p < e^−3``)."""
-    return (
-        2.0 * beta * _f64(theta) * D * _f64(X).sqrt() / ((1.0 - beta) * _f64(phi2_next).clamp_min(PHI_FLOOR))
-    )
-
-
-@dataclass
-class Phi2Solution:
-    phi2: float  # φ2(t+1)
-    eta: Tensor  # the clients' raw η at that φ2
-    iterations: int
-    converged: bool
-
-
-def phi2_fixed_point(
-    X: float,
-    s: Tensor,
-    G: Tensor,
-    theta: Tensor,
-    weights: Tensor,
-    beta: float,
-    *,
-    start: float | None = None,
-    tol: float = 1e-3,
-    max_iter: int = 50,
-    damping: float = 0.5,
-    printed_eq24: bool = False,
-    eta_max: float = 1.0,
-) -> Phi2Solution:
-    """The scalar mean-field equation (28): ``Φ = Σ_j w_j (X − 2 η_j s_j + η_j² G_j)``, ``η_j = A_j(X, Φ)``.
-
-    ``theta`` are the population weights inside each client's η (Eq. 17); ``weights`` the weights of the
-    sum (``theta`` itself over the whole population, renormalised over a subset otherwise). Substitution
-    from ``start`` (default ``X``), plain for 3 passes then damped; stops when ``|ΔΦ| < tol`` (ε2 of
-    Algorithm 1). Not converged after ``max_iter``: the last iterate is kept (flag ``converged``).
-    """
-    s, G, theta, weights = _f64(s), _f64(G), _f64(theta), _f64(weights)
-    phi = float(X) if start is None else float(start)
-    if s.numel() == 0:
-        return Phi2Solution(float(X), s.clone(), 0, True)
-    converged, k = False, 0
-    for k in range(1, max_iter + 1):
-        eta, _ = solve_eta(s, G, X, theta, phi, beta, printed_eq24=printed_eq24, eta_max=eta_max)
-        sq = (X - 2.0 * eta * s + eta * eta * G).clamp_min(0.0)  # stale statistics may break Cauchy–Schwarz
-        new = max(float((weights * sq).sum()), PHI_FLOOR)
-        if abs(new - phi) < tol:
-            phi, converged = new, True
-            break
-        phi = new if k <= 3 else (1.0 - damping) * phi + damping * new
-    eta, _ = solve_eta(s, G, X, theta, phi, beta, printed_eq24=printed_eq24, eta_max=eta_max)
-    return Phi2Solution(phi, eta, k, converged)
-
-
-@dataclass
-class MeanField:
-    phi1: Tensor  # [T + 1, d]
-    phi2: Tensor  # [T + 1]
-    eta: Tensor  # [T, N] raw learning rates along the trajectory
-    iterations: list[int]
-    converged: bool
-
-
-def mean_field_trajectory(
-    w0: Tensor,
-    grads_at: Callable[[int, Tensor], Tensor],
-    theta: Tensor,
-    beta: float,
-    rounds: int,
-    *,
-    tol: float = 1e-3,
-    max_iter: int = 50,
-    printed_eq24: bool = False,
-    eta_max: float = 1.0,
-) -> MeanField:
-    """Algorithm 1 as a single forward pass (its sweeps in Gauss–Seidel order, converged): for
-    ``t = 0..T−1`` the only unknown is the scalar ``φ2(t+1)`` (Eq. 28), then
-    ``φ1(t+1) = φ1(t) − Σ_i θ_i η_i g_i`` (Eqs. 11, 16). ``grads_at(t, x)`` returns the ``[N, d]`` client
-    gradients at ``x`` (fixed mini-batches make the map deterministic). The result is a fixed point of the
-    paper's map Γ (Eqs. 26–27) for the same gradients.
-    """
-    theta = _f64(theta)
-    x = w0.detach().to(F64).reshape(-1)
-    phi1, phi2, etas, iters, ok = [x], [float(x @ x)], [], [], True
-    for t in range(rounds):
-        g = grads_at(t, phi1[t].to(w0.dtype).view_as(w0)).detach().to(F64).reshape(theta.numel(), -1)
-        X = float(phi1[t] @ phi1[t])
-        sol = phi2_fixed_point(
-            X,
-            g @ phi1[t],
-            (g * g).sum(1),
-            theta,
-            theta,
-            beta,
-            start=phi2[t] if t else X,
-            tol=tol,
-            max_iter=max_iter,
-            printed_eq24=printed_eq24,
-            eta_max=eta_max,
-        )
-        phi1.append(phi1[t] - (theta * sol.eta) @ g)
-        phi2.append(sol.phi2)
-        etas.append(sol.eta)
-        iters.append(sol.iterations)
-        ok &= sol.converged
-    eta = torch.stack(etas) if etas else torch.zeros(0, theta.numel(), dtype=F64)
-    return MeanField(torch.stack(phi1), torch.tensor(phi2, dtype=F64), eta, iters, ok)
-
-
-def entropy_term(theta: Tensor, sq_norms: Tensor) -> float:
-    """Definition 1, Eq. (8): ``Σ_i p_i log p_i``, ``p_i = θ_i ‖w_i‖² / Σ_j θ_j ‖w_j‖²`` (``0 log 0 = 0``)."""
-    mass = _f64(theta) * _f64(sq_norms)
-    p = mass / mass.sum().clamp_min(PHI_FLOOR)
-    return float(torch.xlogy(p, p).sum())
-
-
-def eta_fednorm(a: Tensor | float, G: Tensor | float, beta: float, n: int, eta_max: float = 1.0) -> Tensor:
-    """FedNorm's step size (Eq. 61 through the Hamiltonian steps of Proposition 1's proof; derived):
-    ``max{0, a / ((1 − β)/(β N) + G)}``, ``a = (φ1(t) − φ1(t+1))ᵀ g``, ``G = ‖g‖²``, clipped to η_max."""
-    a, G = _f64(a), _f64(G)
-    if beta == 0.0:  # no distance term: the quadratic penalty alone gives η = 0
-        return torch.zeros_like(a + G)
-    eta = a / ((1.0 - beta) / (beta * n) + G)
-    return torch.nan_to_num(eta, nan=0.0, posinf=eta_max, neginf=0.0).clamp(0.0, eta_max)
-
-
-def _sq_norm(state: Mapping[str, Tensor], names: list[str]) -> float:
-    return float(sum(state[n].double().pow(2).sum() for n in names))
-
-
-def _sq_dist(a: Mapping[str, Tensor], b: Mapping[str, Tensor], names: list[str]) -> float:
-    return float(sum((a[n].double() - b[n].double()).pow(2).sum() for n in names))
-
-
-def _dot(a: Mapping | Sequence[Tensor], b: Mapping | Sequence[Tensor], keys: Iterable) -> float:
-    """``Σ_k ⟨a[k], b[k]⟩`` in float64 over named (state dicts) or positional (parameter lists) tensors."""
-    return float(sum((a[k].double() * b[k].double()).sum() for k in keys))
-
-
-def _cosine(
-    v: Mapping[str, Tensor],
-    ref: Mapping[str, Tensor],
-    ref_norm: float,
-    names: list[str],
-    origin: Mapping[str, Tensor] | None,
-) -> float:
-    """``cos(v − origin, ref)`` tensor by tensor in float64 (no float64 copy of a whole model is kept)."""
-    dot = sq = 0.0
-    for n in names:
-        x = v[n].double() if origin is None else v[n].double() - origin[n].double()
-        dot += float((x * ref[n].double()).sum())
-        sq += float((x * x).sum())
-    return dot / max(math.sqrt(sq) * ref_norm, PHI_FLOOR)
 
 
 # ================================================================================================ FedEnt
@@ -469,12 +170,11 @@ class FedEnt(Algorithm):
         server = super().init_server(model)
         server["params"] = [n for n, _ in model.named_parameters()]  # only trainable weights enter w
         server["eta"] = torch.full((self.ctx.num_clients,), float(self.ctx.client.lr), dtype=F64)  # η(−1)
-        server["diag"] = {}
         return {**server, **self.init_estimators(server)}
 
     def init_estimators(self, server: State) -> State:
         """φ2(1): no client has reported yet, so every η_j is taken as 0 and Eq. (28) gives ‖w(0)‖²."""
-        return {"phi2_next": _sq_norm(server["weights"], server["params"])}
+        return {"phi2_next": sq_norm(server["weights"], server["params"])}
 
     def estimator_config(self, server: State) -> tuple[dict[str, Tensor], dict[str, float]]:
         """The mean-field estimates a client needs to solve Eq. (17): (arrays, config)."""
@@ -488,28 +188,39 @@ class FedEnt(Algorithm):
             payload.config.update(eta_prev=float(server["eta"][info.cid]), **config)
         return payload
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """FedAvg over the sampled set (Eq. 3); the sampled clients' η_i(t) recorded for Eq. (37), φ2 for
+        the next round (Eq. 28); the round's rate, entropy and drift diagnostics as metrics."""
         old = server["weights"]
-        server = super().aggregate(server, uploads, info)  # FedAvg over the sampled set (Eq. 3)
-        names = server["params"]
-        new = server["weights"]
-
+        state = super().aggregate(server, uploads, info).state
         reported = [{**u.payload.metrics, **u.payload.config} for u in uploads]
+        eta = torch.tensor([values["eta"] for values in reported], dtype=F64)
+        cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
+        dev = state["eta"].device  # on the training device after a resume
+        etas = state["eta"].clone()
+        etas[cids.to(dev)] = eta.to(dev)  # clients that were not sampled keep theirs
+        diag = self.rate_diagnostics(state, uploads, reported)
+        estimators, more = self.update_estimators(state, uploads, old)
+        return ServerUpdate({**state, **estimators, "eta": etas}, {**diag, **more})
+
+    def rate_diagnostics(
+        self, server: State, uploads: list[Upload], reported: list[dict]
+    ) -> dict[str, float]:
+        """The round's rates η_i(t) and raw rates, the solver's regime, the entropy term of Eq. (8) over the
+        uploaded models and the client drift, from the aggregated ``server`` state."""
+        names, new = server["params"], server["weights"]
 
         def col(key: str) -> Tensor:
             return torch.tensor([values[key] for values in reported], dtype=F64)
 
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
         eta, raw, branch = col("eta"), col("eta_raw"), col("branch")
-        dev = server["eta"].device  # on the training device after a resume
-        etas = server["eta"].clone()
-        etas[cids.to(dev)] = eta.to(dev)  # clients that were not sampled keep theirs
         states = [u.payload.model_state() for u in uploads]
-        sq = torch.tensor([_sq_norm(st, names) for st in states], dtype=F64)
+        sq = torch.tensor([sq_norm(st, names) for st in states], dtype=F64)
         # client drift ‖w_i,E(t) − w(t+1)‖ (bounded by Prop. 4)
-        drift = torch.tensor([math.sqrt(_sq_dist(st, new, names)) for st in states], dtype=F64)
+        drift = torch.tensor([math.sqrt(sq_dist(st, new, names)) for st in states], dtype=F64)
         pre = self.name
-        diag = {
+        return {
             f"{pre}_eta_min": float(eta.min()),
             f"{pre}_eta_median": float(eta.median()),
             f"{pre}_eta_max": float(eta.max()),
@@ -521,8 +232,6 @@ class FedEnt(Algorithm):
             f"{pre}_entropy": entropy_term(self.theta[cids], sq),
             f"{pre}_drift": float(drift.mean()),
         }
-        estimators, more = self.update_estimators(server, uploads, old)
-        return {**server, **estimators, "eta": etas, "diag": {**diag, **more}}
 
     def solver_diagnostics(self, reported: list[dict]) -> dict[str, float]:
         """Per round: the share of clients in the non-convex regime 1 + cG < 0, and how often (and by how
@@ -542,7 +251,7 @@ class FedEnt(Algorithm):
         """φ2 for the next round from Eq. (28), with X = ‖w(t+1)‖² and the participants' (s_j, G_j):
         ``(new server entries, diagnostics)``."""
         pre, used = self.name, float(server["phi2_next"])
-        X = _sq_norm(server["weights"], server["params"])
+        X = sq_norm(server["weights"], server["params"])
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)
         pbar = torch.tensor([u.payload.metrics["pbar"] for u in uploads], dtype=F64)
         diag = {f"{pre}_phi2": used, f"{pre}_pbar_median": float(pbar.median())}
@@ -570,18 +279,14 @@ class FedEnt(Algorithm):
         )
         return {"phi2_next": sol.phi2}, diag
 
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return dict(server.get("diag", {}))
-
     # ------------------------------------------------------------------ client
-    def probe_gradient(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> list[Tensor]:
+    def probe_gradient(self, step: LocalStep) -> list[Tensor]:
         """``∇F_i(w(t))`` in train mode (Algorithm 2 line 4) without disturbing local training: the RNG is
         forked (dropout masks of training stay those of FedAvg) and buffers are restored afterwards."""
+        model, client = step.model, step.client
         params = list(model.parameters())
         n = client.num_samples
-        seed = derive_seed(self.ctx.seed, PROBE_KEY, info.round - 1, client.cid)
+        seed = derive_seed(self.ctx.seed, PROBE_KEY, step.info.round - 1, client.cid)
         dev = client.x.device
         devices = (
             [dev.index if dev.index is not None else torch.cuda.current_device()]
@@ -594,19 +299,17 @@ class FedEnt(Algorithm):
             if self.p.probe == "batch":
                 gen = torch.Generator().manual_seed(seed)
                 idx = torch.randperm(n, generator=gen)[: max(1, min(self.ctx.client.batch_size, n))].to(dev)
-                loss = self.local_loss(model, Batch(client.x[idx], client.y[idx]), payload, state, Scratch())
+                loss = self.local_loss(step, Batch(client.x[idx], client.y[idx]))
                 grads = list(torch.autograd.grad(loss, params))
             else:
                 grads = [torch.zeros_like(p) for p in params]
                 for start in range(0, n, PROBE_CHUNK):
                     sl = slice(start, min(start + PROBE_CHUNK, n))
-                    part = self.local_loss(
-                        model, Batch(client.x[sl], client.y[sl]), payload, state, Scratch()
-                    )
+                    part = self.local_loss(step, Batch(client.x[sl], client.y[sl]))
                     share = part * ((sl.stop - sl.start) / n)
                     for g, d in zip(grads, torch.autograd.grad(share, params), strict=True):
                         g.add_(d)
-        load_state(model, payload.model_state())  # undo the probe's BatchNorm statistics
+        load_state(model, step.payload.model_state())  # undo the probe's BatchNorm statistics
         return [g.detach() for g in grads]
 
     def raw_eta(
@@ -614,7 +317,7 @@ class FedEnt(Algorithm):
     ) -> tuple[float, int, dict]:
         """Eq. (17) solved on ``x = w(t)``: returns ``(η_raw, branch, statistics to upload)``."""
         idx = range(len(params))
-        s, G, X = _dot(params, grads, idx), _dot(grads, grads, idx), _dot(params, params, idx)
+        s, G, X = dot(params, grads, idx), dot(grads, grads, idx), dot(params, params, idx)
         theta, phi2 = float(self.theta[cid]), payload.config["phi2_next"]
         bound = (
             None if self.p.grad_bound is None else eq18_bound(theta, X, phi2, self.p.beta, self.p.grad_bound)
@@ -653,31 +356,20 @@ class FedEnt(Algorithm):
             branch = KEPT
         return eta, branch, stats
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
-        grads = self.probe_gradient(model, payload, state, client, info)
-        params = [p.detach() for p in model.parameters()]
-        eta_raw, branch, stats = self.raw_eta(params, grads, payload, client.cid)
-        prev = payload.config["eta_prev"]
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        grads = self.probe_gradient(step)
+        params = [p.detach() for p in step.model.parameters()]
+        eta_raw, branch, stats = self.raw_eta(params, grads, step.payload, step.cid)
+        prev = step.payload.config["eta_prev"]
         # Eq. (37) after clipping; "keep" skips the update on a failed closed form
         eta = prev if branch == KEPT else self.p.gamma * prev + (1.0 - self.p.gamma) * eta_raw
         probe = {"eta": eta, "eta_raw": eta_raw, "branch": float(branch), **stats}
-        # one scalar η for all E epochs (Algorithm 2)
-        return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=eta)], {**state, "probe": probe})
+        # one scalar η for all E epochs (Algorithm 2); η and the probe's statistics are this round's only
+        return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=eta)], derived={"probe": probe})
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        out = super().finish_local(model, payload, state, client, scratch, result, info)
-        probe = state["probe"]  # η for the server's record, (s, G) for Eq. (28); the rest for the logs
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        out = super().finish_local(step, result)
+        probe = step.derived["probe"]  # η for the server's record, (s, G) for Eq. (28); the rest for the logs
         out.upload.config.update({k: v for k, v in probe.items() if k in self.upload_config})
         out.upload.metrics.update({k: v for k, v in probe.items() if k not in self.upload_config})
         return out
@@ -720,62 +412,8 @@ class FedNorm(FedEnt):
         self, params: list[Tensor], grads: list[Tensor], payload: Payload, cid: int
     ) -> tuple[float, int, dict]:
         idx = range(len(grads))
-        G = _dot(grads, grads, idx)
+        G = dot(grads, grads, idx)
         steps = [v for k, v in payload.arrays.items() if k.startswith(STEP_PREFIX)]
-        a = _dot(steps, grads, idx) if steps else 0.0  # mean_field: the fixed point has φ1(t+1) = φ1(t)
+        a = dot(steps, grads, idx) if steps else 0.0  # mean_field: the fixed point has φ1(t+1) = φ1(t)
         eta = float(eta_fednorm(a, G, self.p.beta, self.ctx.num_clients, self.p.eta_max))
         return eta, CLOSED_FORM, {"a": a, "G": G, "clip": float(eta >= self.p.eta_max)}
-
-
-# ================================================================================================ FedCos
-@ALGORITHMS.register("fedcos")
-class FedCos(Algorithm):
-    """FedCos (after Wu & Wang 2021, as in FedEnt Eq. 59): aggregation weights = cos(w_i, w), static lr."""
-
-    vectorizable = True  # plain cross-entropy; only the aggregation differs
-    loss_reads = frozenset()
-
-    class Params(HyperParams):
-        cosine_of: Literal["models", "updates"] = Field(
-            "models",
-            description="cosine between the local and global models (Eq. 59 as printed) or between the "
-            "local update w_i − w(t) and the sample-weighted mean update (Wu & Wang 2021's angle)",
-        )
-        sample_weighted: bool = Field(
-            False,
-            description="multiply the cosine weights by n_i before normalising (not in paper; default: "
-            "cosines clamped at 0 and normalised over the sampled clients, as Eq. 59 leaves open)",
-        )
-
-    p: Params
-
-    def init_server(self, model: nn.Module) -> State:
-        server = super().init_server(model)
-        server["params"] = [n for n, _ in model.named_parameters()]
-        server["diag"] = {}
-        return server
-
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        names, w = server["params"], server["weights"]
-        states = [u.payload.model_state() for u in uploads]
-        origin: Mapping[str, Tensor] | None = None  # models: cos(w_i, w); updates: cos(w_i − w, w̄ − w)
-        ref: Mapping[str, Tensor] = w
-        if self.p.cosine_of == "updates":
-            mean = weighted_average(states, sample_weights(uploads))
-            origin, ref = w, {n: mean[n] - w[n] for n in names}
-        ref_norm = math.sqrt(_dot(ref, ref, names))
-        cos = torch.tensor([_cosine(st, ref, ref_norm, names, origin) for st in states], dtype=F64)
-        weights = cos.clamp_min(0.0)
-        if self.p.sample_weighted:
-            weights = weights * sample_weights(uploads)
-        # all cosines ≤ 0 (or a zero update): no direction information, fall back to FedAvg's weights
-        weights = weights / weights.sum() if float(weights.sum()) > 0.0 else sample_weights(uploads)
-        diag = {
-            "fedcos_cos_min": float(cos.min()),
-            "fedcos_cos_mean": float(cos.mean()),
-            "fedcos_weight_max": float(weights.max()),
-        }
-        return {**server, "weights": weighted_average(states, weights), "diag": diag}
-
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return dict(server.get("diag", {}))

@@ -57,16 +57,16 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     Context,
     HyperParams,
     LocalOutput,
     LocalPlan,
     LocalResult,
+    LocalStep,
     Payload,
     Phase,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     embedding_dim,
@@ -74,8 +74,8 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.models.base import FedModel, embed_in_chunks
-from fedskew.protos import aggregate_prototypes, class_means, pack
 from fedskew.seeding import derive_seed
 
 #: name of the scale parameter attached to the model for local training
@@ -220,8 +220,6 @@ class FedNH(Algorithm):
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if k != SCALE},
             "protos": protos,
             "scale": torch.tensor([self.p.scale_init], device=self.ctx.device),
-            "shift": float("nan"),
-            "updated": 0,
         }
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
@@ -236,8 +234,9 @@ class FedNH(Algorithm):
         """Whether a state entry belongs to the model's (unused) head, by the model's ``head_prefix``."""
         return name.startswith(self.head_prefix)
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        """FedAvg of the body (and s); semantics infusion of the prototypes (see :func:`infuse_semantics`)."""
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """FedAvg of the body (and s); semantics infusion of the prototypes (see :func:`infuse_semantics`).
+        Metrics: s, how far and how many prototypes moved, and their largest pairwise cosine."""
         if self.p.body_weights == "samples":
             w = sample_weights(uploads)
         else:
@@ -257,62 +256,39 @@ class FedNH(Algorithm):
         # diagnostic: mean angle (degrees) the updated prototypes moved this round
         cos = (old[updated] * new[updated]).sum(1).clamp(-1.0, 1.0)
         shift = float(torch.rad2deg(torch.acos(cos)).mean()) if bool(updated.any()) else 0.0
-        return {
-            **server,
-            "weights": weights,
-            "scale": scale,
-            "protos": new,
-            "shift": shift,
-            "updated": int(updated.sum()),
+        metrics = {
+            "fednh_scale": float(scale.reshape(-1)[0]),
+            "proto_shift_deg": shift,
+            "proto_updated": int(updated.sum()),
+            "proto_max_cos": max_pairwise_cosine(new),
         }
-
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return {
-            "fednh_scale": float(server["scale"].reshape(-1)[0]),
-            "proto_shift_deg": server["shift"],
-            "proto_updated": server["updated"],
-            "proto_max_cos": max_pairwise_cosine(server["protos"]),
-        }
+        return ServerUpdate({**server, "weights": weights, "scale": scale, "protos": new}, metrics)
 
     # ---------------------------------------------------------------- client
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         """The received body and scale s (the model's own head is never loaded: it is unused)."""
         return {**payload.model_state(), SCALE: payload.arrays["scale"].reshape(1)}
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
+    def start_local(self, step: LocalStep) -> LocalPlan:
         learn = self.p.learn_scale
 
         def trainable(name: str) -> bool:
             # the prototypes are not model parameters; the model's own head is frozen and unused
             return learn if name == SCALE else not self._is_head(name)
 
-        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=trainable)], state)
+        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=trainable)])
 
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
-        return {"protos": payload.arrays["protos"].to(client.x.device)}
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
+        return {"protos": step.payload.arrays["protos"].to(step.client.x.device)}
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        z = model.features(batch.x)
-        return F.cross_entropy(cosine_logits(z, scratch["protos"], getattr(model, SCALE)), batch.y)
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        z = step.model.features(batch.x)
+        return F.cross_entropy(cosine_logits(z, step.scratch["protos"], getattr(step.model, SCALE)), batch.y)
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
         """Upload: body, s, and per held class the mean normalised embedding (eval-mode pass after
         training, as the code) with its count."""
+        model, client = step.model, step.client
         was_training = model.training
         model.eval()
         z = F.normalize(embed_in_chunks(model.features, client.x), dim=1)
@@ -328,7 +304,7 @@ class FedNH(Algorithm):
             protos=means.detach().clone(),
             counts=counts,
         )
-        return LocalOutput(Payload(arrays=tensors), state)
+        return LocalOutput(Payload(arrays=tensors), step.state)
 
     # ---------------------------------------------------------------- evaluation
     def predict(

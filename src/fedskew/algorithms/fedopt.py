@@ -29,6 +29,7 @@ from fedskew.algorithms.base import (
     Algorithm,
     HyperParams,
     RoundInfo,
+    ServerUpdate,
     State,
     Upload,
     sample_weights,
@@ -62,7 +63,7 @@ class ServerOptimizer(Algorithm):
             server[slot] = {n: self.init_slot(slot, p) for n, p in params.items()}
         return server
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         avg = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
         weights = server["weights"]
         new = dict(avg)  # buffers: the plain weighted average
@@ -74,7 +75,7 @@ class ServerOptimizer(Algorithm):
             for s, value in slots.items():
                 new_slots[s][name] = value
             new[name] = weights[name] + update
-        return {**server, **new_slots, "weights": new}
+        return ServerUpdate({**server, **new_slots, "weights": new})
 
 
 # ------------------------------------------------------------------------------------------------ FedAvgM

@@ -23,14 +23,13 @@ from torch import Tensor, nn
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
-    ClientView,
     Context,
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
     State,
     clone_state,
     model_arrays,
@@ -100,16 +99,8 @@ class FedPer(Algorithm):
             raise ConfigError(f"{self.name} has no global head to evaluate; set eval.protocol=personalized")
         return {**payload.model_state(), **state["personal"]}
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        sd = model.state_dict()
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        sd = step.model.state_dict()
         personal = {k: v.detach().clone() for k, v in sd.items() if self.is_personal(k)}
-        return LocalOutput(Payload(arrays=model_arrays(sd, self.is_shared)), {**state, "personal": personal})
+        upload = Payload(arrays=model_arrays(sd, self.is_shared))
+        return LocalOutput(upload, {**step.state, "personal": personal})

@@ -47,17 +47,24 @@ from fedskew.algorithms.base import (
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     clone_state,
     embedding_dim,
 )
+from fedskew.algorithms.protos import (
+    ClassAccumulator,
+    aggregate_prototypes,
+    class_means,
+    nearest_prototype_scores,
+    pack,
+)
 from fedskew.errors import ConfigError
 from fedskew.models.base import embed_in_chunks
-from fedskew.protos import ClassAccumulator, aggregate_prototypes, class_means, nearest_prototype_scores, pack
 
 
 def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, form: str = "sample") -> Tensor:
@@ -126,7 +133,6 @@ class FedProto(Algorithm):
         return {
             "protos": torch.zeros(c, dim, device=self.ctx.device),
             "present": torch.zeros(c, dtype=torch.bool, device=self.ctx.device),
-            "distance": float("nan"),
         }
 
     def _classes_for(self, server: State, cid: int | None) -> Tensor:
@@ -141,8 +147,9 @@ class FedProto(Algorithm):
         classes = self._classes_for(server, info.cid)
         return Payload(arrays={"classes": classes, "protos": server["protos"][classes].clone()})
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        """Eq. (6): per-class average over the clients that uploaded the class (see ``aggregation``)."""
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """Eq. (6): per-class average over the clients that uploaded the class (see ``aggregation``); the
+        prototype distance and the number of classes with a global prototype as metrics."""
         classes = torch.cat([u.payload.arrays["classes"] for u in uploads]).to(server["protos"].device)
         local = torch.cat([u.payload.arrays["protos"] for u in uploads]).to(server["protos"].device)
         counts = torch.cat([u.payload.arrays["counts"] for u in uploads]).to(server["protos"].device)
@@ -153,10 +160,9 @@ class FedProto(Algorithm):
         # diagnostic: mean squared distance (per dimension) of the uploaded local prototypes to the new global
         # ones — the prototype-level L_R of Fig. 4, which falls as λ grows
         distance = float((local - protos[classes]).pow(2).mean())
-        return {**server, "protos": protos, "present": server["present"] | present, "distance": distance}
-
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return {"proto_distance": server["distance"], "proto_classes": int(server["present"].sum())}
+        known = server["present"] | present
+        metrics = {"proto_distance": distance, "proto_classes": int(known.sum())}
+        return ServerUpdate({**server, "protos": protos, "present": known}, metrics)
 
     # ---------------------------------------------------------------- client
     def init_client(self, cid: int) -> State:
@@ -178,21 +184,18 @@ class FedProto(Algorithm):
         has[classes] = True
         return table, has
 
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         """The dense table of the received prototypes and, for ``last_epoch``, the Eq. (3) sums."""
-        dim, device = embedding_dim(model, self.name), client.x.device
-        targets, has = self._targets(payload, dim, device)
+        dim, device = embedding_dim(step.model, self.name), step.client.x.device
+        targets, has = self._targets(step.payload, dim, device)
         scratch = {"targets": targets, "has": has}
         if self.p.proto_source == "last_epoch":
             acc = ClassAccumulator.zeros(self.ctx.num_classes, dim, device)
             scratch.update(acc_sums=acc.sums, acc_counts=acc.counts)
         return scratch
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        model, scratch = step.model, step.scratch
         h = model.features(batch.x)
         loss = F.cross_entropy(model.head(h), batch.y)  # = NLL of the code's log_softmax outputs
         if batch.last_epoch and "acc_sums" in scratch:
@@ -209,16 +212,8 @@ class FedProto(Algorithm):
         model.train()
         return class_means(h, client.y, self.ctx.num_classes)
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        model, client, scratch = step.model, step.client, step.scratch
         if "acc_sums" in scratch and result.steps > 0:
             table, seen = ClassAccumulator(scratch["acc_sums"], scratch["acc_counts"]).means()
         else:  # proto_source=recompute, or no batch was run (epochs=0)
@@ -227,7 +222,7 @@ class FedProto(Algorithm):
         # only prototypes leave the client (with class ids and |D_ij|: integer metadata for Eq. 6's weights)
         counts = client.class_counts.to(classes.device)[classes].long()
         upload = Payload(arrays={"classes": classes, "protos": protos.detach().clone(), "counts": counts})
-        return LocalOutput(upload, {**state, "weights": clone_state(model.state_dict())})
+        return LocalOutput(upload, {**step.state, "weights": clone_state(model.state_dict())})
 
     # ---------------------------------------------------------------- evaluation
     def predict(

@@ -17,9 +17,7 @@ from fedskew.algorithms.base import (
     Algorithm,
     Batch,
     HyperParams,
-    Payload,
-    Scratch,
-    State,
+    LocalStep,
 )
 
 
@@ -45,11 +43,9 @@ class FedProx(Algorithm):
 
     p: Params
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        loss = super().local_loss(model, batch, payload, state, scratch)
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        loss = super().local_loss(step, batch)
         if self.p.mu == 0.0:
             return loss
         # the anchor w^t is the received model: a dict of views, no copy (vmap stacks the payload)
-        return loss + 0.5 * self.p.mu * proximal_term(model, payload.model_state())
+        return loss + 0.5 * self.p.mu * proximal_term(step.model, step.payload.model_state())

@@ -55,13 +55,13 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
@@ -241,31 +241,24 @@ class FedRCL(Algorithm):
 
     p: Params
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        """FedAvg on the weights; sample-weighted mean of the clients' loss diagnostics."""
-        server = super().aggregate(server, uploads, info)
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """FedAvg on the weights; sample-weighted mean of the clients' loss diagnostics as metrics."""
+        update = super().aggregate(server, uploads, info)
         w = sample_weights(uploads)
-        diag = {
+        metrics = {
             k: float(sum(wk * u.payload.metrics[k] for wk, u in zip(w.tolist(), uploads, strict=True)))
             for k in DIAG_KEYS
             if all(k in u.payload.metrics for u in uploads)
         }
-        return {**server, "diag": diag}
+        return ServerUpdate(update.state, metrics)
 
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return dict(server.get("diag", {}))
-
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         """Sums of the last epoch's diagnostics: SCL, penalty, share of penalised pairs, mean positive
         similarity, and the number of batches."""
-        return {"diag": torch.zeros(5, dtype=torch.float64, device=client.x.device)}
+        return {"diag": torch.zeros(5, dtype=torch.float64, device=step.client.x.device)}
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        p = self.p
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        p, model, scratch = self.p, step.model, step.scratch
         if p.beta == 0.0:
             return F.cross_entropy(model(batch.x), batch.y)
         z, levels = collect_features(model, batch.x, p.layers, p.pre_activation)
@@ -296,19 +289,11 @@ class FedRCL(Algorithm):
             scratch["diag"].add_(row)
         return loss + p.beta * total
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        acc = scratch["diag"]
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        acc = step.scratch["diag"]
         metrics = dict(zip(DIAG_KEYS, (acc[:4] / acc[4]).tolist(), strict=True)) if acc[4] > 0 else {}
-        return LocalOutput(Payload(arrays=model_arrays(model.state_dict()), metrics=metrics), state)
+        upload = Payload(arrays=model_arrays(step.model.state_dict()), metrics=metrics)
+        return LocalOutput(upload, step.state)
 
 
 __all__ = [

@@ -11,17 +11,13 @@ Defaults follow the paper's experiments (10 head epochs, 1 representation epoch,
 from __future__ import annotations
 
 from pydantic import Field
-from torch import nn
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
-    ClientView,
     HyperParams,
     LocalPlan,
-    Payload,
+    LocalStep,
     Phase,
-    RoundInfo,
-    State,
 )
 from fedskew.algorithms.fedper import FedPer
 
@@ -38,16 +34,14 @@ class FedRep(FedPer):
 
     p: Params
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
+    def start_local(self, step: LocalStep) -> LocalPlan:
         body = self.ctx.client.epochs if self.p.body_epochs is None else self.p.body_epochs
         lr = self.ctx.client.lr
         phases = [
             Phase(epochs=self.p.head_epochs, lr=lr, trainable=self.is_personal),
             Phase(epochs=body, lr=lr, trainable=self.is_shared),
         ]
-        return LocalPlan(phases, state)
+        return LocalPlan(phases)
 
 
 __all__ = ["FedRep", "HyperParams"]

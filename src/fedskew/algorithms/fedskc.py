@@ -53,21 +53,22 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
     Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.protos import class_means, pack
 from fedskew.models.base import embed_in_chunks
-from fedskew.protos import class_means, pack
 
 _EPS = 1e-8
 
@@ -242,7 +243,6 @@ class FedSKC(Algorithm):
         state.update(
             protos=torch.zeros(c, c, device=self.ctx.device),  # c̃_{r−1}, broadcast to the next round
             has=torch.zeros(c, dtype=torch.bool, device=self.ctx.device),
-            diag={},
         )
         return state
 
@@ -252,8 +252,9 @@ class FedSKC(Algorithm):
             payload.arrays.update(protos=server["protos"].clone(), has=server["has"].clone())
         return payload
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        """Eq. (1) global prototypes, Eq. (4) aggregation weights, Eq. (5) period review (Alg. 1 l. 6–24)."""
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """Eq. (1) global prototypes, Eq. (4) aggregation weights, Eq. (5) period review (Alg. 1 l. 6–24);
+        the GDA weights, γ_r and the clients' loss statistics as metrics."""
         dev = server["protos"].device
         k, c = len(uploads), self.ctx.num_classes
         local = torch.zeros(k, c, c, device=dev)
@@ -285,7 +286,7 @@ class FedSKC(Algorithm):
         stats = {
             key: sum(u.payload.metrics.get(key, 0.0) for u in uploads) / k for key in ("ce", "lcl", "lcl_u")
         }
-        diag = {
+        metrics = {
             "gda_weights": [round(float(w), 6) for w in weights],
             "gda_weight_min": float(weights.min()),
             "gda_weight_max": float(weights.max()),
@@ -298,10 +299,7 @@ class FedSKC(Algorithm):
             "lcl_loss": stats["lcl"],
             "lcl_u": stats["lcl_u"],
         }
-        return {**server, "weights": new, "protos": glob, "has": has, "diag": diag}
-
-    def round_metrics(self, server: State) -> dict[str, float]:
-        return dict(server["diag"])
+        return ServerUpdate({**server, "weights": new, "protos": glob, "has": has}, metrics)
 
     # ---------------------------------------------------------------- client
     def lcl_weight(self, round_idx: int) -> float:
@@ -311,13 +309,11 @@ class FedSKC(Algorithm):
         ramp = min(1.0, round_idx / self.p.lcl_warmup) if self.p.lcl_warmup > 0 else 1.0
         return self.p.lcl_weight * ramp
 
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
-        """The round's LCL weight, the per-round U_j when asked for, and the last epoch's loss sums."""
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
+        """The per-round U_j when asked for, and the last epoch's loss sums."""
+        model, payload, client = step.model, step.payload, step.client
         dev = client.x.device
         scratch = {
-            "lcl_weight": torch.tensor(self.lcl_weight(info.round), dtype=torch.float64),
             "ce": torch.zeros((), device=dev),
             "lcl": torch.zeros((), device=dev),
             "u": torch.zeros((), device=dev),
@@ -335,12 +331,11 @@ class FedSKC(Algorithm):
     def _anchor(self, logits: Tensor) -> Tensor:
         return F.silu(logits) if self.p.silu_anchor else logits
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        logits = model(batch.x)
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        payload, scratch = step.payload, step.scratch
+        logits = step.model(batch.x)
         ce = F.cross_entropy(logits, batch.y)
-        weight = float(scratch["lcl_weight"])
+        weight = self.lcl_weight(step.info.round)  # the round is given (RoundInfo), never sent
         has = payload.arrays["has"]
         loss = ce
         if batch.last_epoch:
@@ -368,16 +363,8 @@ class FedSKC(Algorithm):
             return dist[:, has].mean().expand(glob.shape[0]) + _EPS
         return dist.mean(0) + _EPS
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        model, client, scratch = step.model, step.client, step.scratch
         # An eval-mode pass over the local data with the final model (no augmentation): Algorithm 1 computes
         # c_k after the local epochs; see docs/decisions.md, "FedSKC: how local prototypes are computed".
         model.eval()
@@ -390,4 +377,4 @@ class FedSKC(Algorithm):
         metrics["lcl_u"] = float(scratch["u"]) / n
         tensors = model_arrays(model.state_dict())
         tensors.update(classes=classes, protos=protos.detach().clone())
-        return LocalOutput(Payload(arrays=tensors, metrics=metrics), state)
+        return LocalOutput(Payload(arrays=tensors, metrics=metrics), step.state)

@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
-    ClientView,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     clone_state,
@@ -38,12 +38,13 @@ class Local(Algorithm):
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
     heterogeneous_models: ClassVar[bool] = True
+    server_learns: ClassVar[bool] = False  # nothing is uploaded: the server state is never changed
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         return Payload()  # nothing is sent
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        return server  # nothing was received; ``server["weights"]`` stays the initial model
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        return ServerUpdate(server)  # nothing was received; ``server["weights"]`` stays the initial model
 
     def init_client(self, cid: int) -> State:
         # The run's initial model in this client's architecture (the common one when homogeneous).
@@ -56,15 +57,6 @@ class Local(Algorithm):
             )
         return state["weights"]
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        # cloned: ``model`` is an engine-owned instance reused by the next client
-        return LocalOutput(Payload(), {**state, "weights": clone_state(model.state_dict())})
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        # cloned: ``step.model`` is an engine-owned instance reused by the next client
+        return LocalOutput(Payload(), {**step.state, "weights": clone_state(step.model.state_dict())})

@@ -32,16 +32,12 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     Context,
     HyperParams,
     LocalOutput,
     LocalPlan,
     LocalResult,
-    Payload,
-    RoundInfo,
-    Scratch,
-    State,
+    LocalStep,
     clone_state,
     load_state,
 )
@@ -76,58 +72,51 @@ class Moon(Algorithm):
         tau: float = Field(0.5, gt=0.0, description="temperature τ (source: Li et al. 2021 §4.1, τ=0.5)")
 
     p: Params
+    #: the frozen reference networks per architecture (see :meth:`references`)
+    working_buffers = frozenset({"reference_nets"})
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
         # Frozen reference models per architecture (clients' models may differ: ``model.per_client``), built
-        # on first use and reloaded per client (no per-batch copies). A working buffer, not state.
-        self._references: dict[Hashable, tuple[nn.Module, nn.Module]] = {}
-        self._loaded: tuple[nn.Module, nn.Module] | None = None
+        # on first use and reloaded per client (no per-batch copies). A working buffer, not state: the
+        # networks a round uses reach ``local_loss`` through the plan's ``derived``.
+        self.reference_nets: dict[Hashable, tuple[nn.Module, nn.Module]] = {}
 
     def references(self, cid: int) -> tuple[nn.Module, nn.Module]:
         """The (global, previous) reference networks in client ``cid``'s architecture."""
         key = self.ctx.arch_key(cid)
-        if key not in self._references:
-            self._references[key] = (_frozen(self.ctx.build_model(cid)), _frozen(self.ctx.build_model(cid)))
-        return self._references[key]
+        if key not in self.reference_nets:
+            build = self.ctx.build_model
+            self.reference_nets[key] = (_frozen(build(cid)), _frozen(build(cid)))
+        return self.reference_nets[key]
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
-        self._loaded = None
-        if "prev" in state:
-            global_net, prev_net = self.references(client.cid)
-            load_state(global_net, payload.model_state())
-            load_state(prev_net, state["prev"])
-            self._loaded = (global_net, prev_net)
-        return super().start_local(model, payload, state, client, info)
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        """Load the received global model and the client's previous one into the frozen references of its
+        architecture, handed to ``local_loss`` as ``step.derived["references"]``."""
+        plan = super().start_local(step)
+        if "prev" not in step.state:  # first participation: no reference (see the module docstring)
+            return plan
+        global_net, prev_net = self.references(step.cid)
+        load_state(global_net, step.payload.model_state())
+        load_state(prev_net, step.state["prev"])
+        return LocalPlan(plan.phases, derived={"references": (global_net, prev_net)})
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        model = step.model
         z = model.features(batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)
-        if "prev" not in state or self.p.mu == 0.0:  # first participation: see the module docstring
+        if "prev" not in step.state or self.p.mu == 0.0:  # first participation: see the module docstring
             return loss
-        if self._loaded is None:
+        if "references" not in step.derived:
             raise RuntimeError("moon: local_loss called before start_local loaded the reference models")
-        global_net, prev_net = self._loaded
+        global_net, prev_net = step.derived["references"]
         with torch.no_grad():
             z_glob = global_net.features(batch.x)
             z_prev = prev_net.features(batch.x)
         return loss + self.p.mu * model_contrastive_loss(z, z_glob, z_prev, self.p.tau)
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
         # The trained model becomes next participation's "previous" one; cloned because the engine reuses
         # ``model`` for the next client.
-        out = super().finish_local(model, payload, state, client, scratch, result, info)
-        return LocalOutput(out.upload, {**state, "prev": clone_state(model.state_dict())})
+        out = super().finish_local(step, result)
+        return LocalOutput(out.upload, {**step.state, "prev": clone_state(step.model.state_dict())})

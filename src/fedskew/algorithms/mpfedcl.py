@@ -43,9 +43,10 @@ from fedskew.algorithms.base import (
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     clone_state,
@@ -53,8 +54,8 @@ from fedskew.algorithms.base import (
     model_arrays,
     server_arrays,
 )
+from fedskew.algorithms.protos import class_sums, kmeans, nearest_prototype_scores
 from fedskew.models.base import embed_in_chunks
-from fedskew.protos import class_sums, kmeans, nearest_prototype_scores
 
 CLUSTER_KEY = 0x4D50  # seed stream of the client-side clustering ("MP")
 
@@ -71,7 +72,7 @@ def group_ranks(keys: Tensor, num_keys: int) -> tuple[Tensor, Tensor]:
 
 def class_table(protos: Tensor, classes: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
     """The real pool U = {U_1..U_C} (Eq. 8) as ``[C, K_max, d]`` plus a ``[C, K_max]`` mask of real entries,
-    the input of :func:`~fedskew.protos.nearest_prototype_scores` (Eq. 13)."""
+    the input of :func:`~fedskew.algorithms.protos.nearest_prototype_scores` (Eq. 13)."""
     ranks, sizes = group_ranks(classes, num_classes)
     k_max = max(int(sizes.max()) if sizes.numel() else 0, 1)
     table = protos.new_zeros(num_classes, k_max, protos.shape[1])
@@ -247,23 +248,25 @@ class MPFedCL(Algorithm):
         )
         return Payload(arrays=tensors)
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """FedAvg on the weights (Alg. 1 line 9); the pool keeps every uploaded centroid (Eq. 8), replacing
-        the previous ones of the uploading clients."""
-        server = super().aggregate(server, uploads, info)
+        the previous ones of the uploading clients. Metrics: the pool's size and coverage."""
+        server = super().aggregate(server, uploads, info).state
         dev = server["protos"].device
         uploaded = torch.tensor([u.cid for u in uploads], dtype=torch.long, device=dev)
         keep = ~torch.isin(server["owners"], uploaded)
         new = [u.payload.arrays for u in uploads]
         owners = [torch.full_like(t["classes"], u.cid) for t, u in zip(new, uploads, strict=True)]
-        return {
+        state = {
             **server,
             "protos": torch.cat([server["protos"][keep], *[t["protos"].to(dev) for t in new]]),
             "classes": torch.cat([server["classes"][keep], *[t["classes"].to(dev) for t in new]]),
             "owners": torch.cat([server["owners"][keep], *[o.to(dev) for o in owners]]),
         }
+        return ServerUpdate(state, self.pool_metrics(state))
 
-    def round_metrics(self, server: State) -> dict[str, float]:
+    def pool_metrics(self, server: State) -> dict[str, float]:
+        """The pool's size, the classes it covers and its mean number of prototypes per (client, class)."""
         c = self.ctx.num_classes
         if server["classes"].numel() == 0:
             return {}
@@ -288,11 +291,10 @@ class MPFedCL(Algorithm):
         owners = payload.arrays["pool_owners"].to(device)
         return pad_pool(protos, classes, owners, self.ctx.num_classes, self.p.k, self.p.padding)
 
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         """The padded pool (Eq. 10; absent in round 1) and, for ``last_epoch``, buffers that collect the last
         epoch's embeddings and labels in batch order (Alg. 1 line 13)."""
+        model, payload, client = step.model, step.payload, step.client
         scratch: dict[str, Tensor] = {}
         padded = self._pool(payload, client.x.device)
         if padded is not None:
@@ -304,9 +306,8 @@ class MPFedCL(Algorithm):
             scratch["filled"] = torch.zeros((), dtype=torch.long)
         return scratch
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        model, scratch = step.model, step.scratch
         z = self._embed(model, batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)  # L_S (Eq. 1-2)
         if batch.last_epoch and "filled" in scratch:
@@ -331,22 +332,14 @@ class MPFedCL(Algorithm):
         model.train()
         return z, client.y
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        model, client, scratch, state = step.model, step.client, step.scratch, step.state
         filled = int(scratch["filled"]) if "filled" in scratch else 0
         if filled:
             z, y = scratch["z"][:filled], scratch["y"][:filled]
         else:  # proto_source=recompute, or no batch ran
             z, y = self._recompute(model, client)
-        gen = info.generator(CLUSTER_KEY)
+        gen = step.info.generator(CLUSTER_KEY)
         protos, classes = [], []
         for j in torch.unique(y).tolist():  # one clustering per class held (≤ C calls, Eq. 7)
             p = self.p
@@ -357,6 +350,8 @@ class MPFedCL(Algorithm):
         if self.p.eval_weights == "local":
             state = {**state, "weights": clone_state(weights)}
         tensors = model_arrays(weights)
+        if not protos:  # a client without training data uploads no prototype (its model is the global one)
+            protos, classes = [z.new_zeros((0, z.shape[1]))], [y.new_zeros((0,), dtype=torch.long)]
         tensors.update(protos=torch.cat(protos).detach().clone(), classes=torch.cat(classes))
         return LocalOutput(Payload(arrays=tensors), state)
 

@@ -20,13 +20,13 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
-    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
+    LocalStep,
     Payload,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
@@ -72,44 +72,31 @@ class Scaffold(Algorithm):
             payload.arrays.update({CONTROL_PREFIX + n: c for n, c in server["c"].items()})
         return payload
 
-    def init_scratch(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> dict[str, Tensor]:
+    def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         """The correction ``c − c_i``, fixed during local training (Algorithm 1 line 10)."""
-        c = _controls(payload)
-        return {CORRECTION_PREFIX + n: c[n] - ci for n, ci in state["c"].items()}
+        c = _controls(step.payload)
+        return {CORRECTION_PREFIX + n: c[n] - ci for n, ci in step.state["c"].items()}
 
-    def local_loss(
-        self, model: nn.Module, batch: Batch, payload: Payload, state: State, scratch: Scratch
-    ) -> Tensor:
-        loss = super().local_loss(model, batch, payload, state, scratch)
-        terms = [(scratch[CORRECTION_PREFIX + n] * p).sum() for n, p in model.named_parameters()]
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        loss = super().local_loss(step, batch)
+        terms = [(step.scratch[CORRECTION_PREFIX + n] * p).sum() for n, p in step.model.named_parameters()]
         return loss + sum(terms[1:], terms[0])
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        x, c = payload.model_state(), _controls(payload)
-        y = dict(model.named_parameters())
-        c_old = state["c"]
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        x, c = step.payload.model_state(), _controls(step.payload)
+        y = dict(step.model.named_parameters())
+        c_old = step.state["c"]
         if result.steps > 0:
             denom = result.steps * result.lr  # K η_l with K the local steps actually taken
             c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
         else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
             c_new = dict(c_old)
-        upload = Payload(arrays=model_arrays(model.state_dict()))
+        upload = Payload(arrays=model_arrays(step.model.state_dict()))
         # y_i travels as the model state (the same size as Δy_i; the server subtracts x), Δc_i beside it
         upload.arrays.update({CONTROL_PREFIX + n: c_new[n] - c_old[n] for n in c_old})
-        return LocalOutput(upload, {**state, "c": c_new})
+        return LocalOutput(upload, {**step.state, "c": c_new})
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         x = server["weights"]
         n = len(uploads)
         uniform = torch.full((n,), 1.0 / n)  # the paper averages uniformly over the sampled set S
@@ -120,4 +107,4 @@ class Scaffold(Algorithm):
         for name, c in server["c"].items():
             new[name] = x[name] + self.p.server_lr * (mean_y[name] - x[name])  # x + η_g mean Δy
             controls[name] = c + (n / self.ctx.num_clients) * mean_dc[name]
-        return {**server, "weights": new, "c": controls}
+        return ServerUpdate({**server, "weights": new, "c": controls})

@@ -17,14 +17,14 @@ from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     Algorithm,
-    ClientView,
     LocalOutput,
     LocalPlan,
     LocalResult,
+    LocalStep,
     Payload,
     Phase,
     RoundInfo,
-    Scratch,
+    ServerUpdate,
     State,
     Upload,
     model_arrays,
@@ -74,31 +74,22 @@ class VisionLanguageMethod(Algorithm):
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         return Payload(arrays={k: v.clone() for k, v in server["weights"].items()})
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
-        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=self.trained)], state)
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=self.trained)])
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        return LocalOutput(Payload(arrays=model_arrays(model.state_dict(), self.trained)), state)
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        return LocalOutput(Payload(arrays=model_arrays(step.model.state_dict(), self.trained)), step.state)
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        new = super().aggregate({}, uploads, info)["weights"]
-        return {**server, "weights": model_arrays(new)}
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        new = super().aggregate({}, uploads, info).state["weights"]
+        return ServerUpdate({**server, "weights": model_arrays(new)})
 
 
 class UntrainedMethod(VisionLanguageMethod):
     """A method with no federated training (zero-shot, the untrained cache): no local steps, nothing sent;
     the head keeps its construction-time values."""
+
+    server_learns: ClassVar[bool] = False  # nothing is uploaded: the (empty) server state never changes
 
     def init_server(self, model: nn.Module) -> State:
         return {}
@@ -106,25 +97,14 @@ class UntrainedMethod(VisionLanguageMethod):
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         return Payload()
 
-    def start_local(
-        self, model: nn.Module, payload: Payload, state: State, client: ClientView, info: RoundInfo
-    ) -> LocalPlan:
-        return LocalPlan([], state)
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        return LocalPlan([])
 
-    def finish_local(
-        self,
-        model: nn.Module,
-        payload: Payload,
-        state: State,
-        client: ClientView,
-        scratch: Scratch,
-        result: LocalResult,
-        info: RoundInfo,
-    ) -> LocalOutput:
-        return LocalOutput(Payload(), state)
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        return LocalOutput(Payload(), step.state)
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> State:
-        return {**server}
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        return ServerUpdate({**server})
 
 
 def zero_shot_logits(f: Tensor, text: Tensor, scale: float) -> Tensor:

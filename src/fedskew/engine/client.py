@@ -5,7 +5,8 @@ the algorithm names, plan (``start_local``), make the scratch tensors (``init_sc
 optimizer over the algorithm's loss, and finish (``finish_local``). It commits nothing: the caller owns
 the round. The sequential executor, the worker processes and a Flower ClientApp call it as is; the
 vectorized trainer runs the same hooks around a batched optimizer loop, sharing :func:`prepare_client`,
-:func:`finish_client` and the batching rule :func:`epoch_batches`.
+:func:`finish_client`, the schedule (:mod:`fedskew.engine.schedule`) and the update rule
+(:mod:`fedskew.engine.sgd`).
 
 Randomness is derived from ``(seed, round, client)``, so results do not depend on the order clients are
 run in, nor on the process that runs them.
@@ -14,20 +15,19 @@ run in, nor on the process that runs them.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from fedskew.algorithms.base import (
     Algorithm,
     Batch,
-    ClientView,
     ContractError,
-    LocalPlan,
     LocalResult,
+    LocalStep,
     Payload,
+    Phase,
     RoundInfo,
     Scratch,
     State,
@@ -36,46 +36,45 @@ from fedskew.algorithms.base import (
 )
 from fedskew.engine.device import precision_context
 from fedskew.engine.runtime import ClientRuntime
+from fedskew.engine.schedule import EpochLoss, NonFiniteLoss, epoch_batches, local_schedule
 from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
 from fedskew.errors import RunFailure
 from fedskew.seeding import derive_seed, seed_torch
 from fedskew.settings import ClientSection
 
+__all__ = ["ALLOWED", "ClientError", "NonFiniteLoss", "epoch_batches", "train_client"]
+
 log = logging.getLogger("fedskew.engine")
 #: the values of engine.on_client_error, for error messages
 ALLOWED = "allowed: drop_non_finite, drop, fail"
-
-
-class NonFiniteLoss(RuntimeError):
-    """Local training produced a NaN/Inf loss: the client's update is rejected."""
 
 
 class ClientError(RunFailure):
     """A client failed and ``engine.on_client_error`` says to fail the round: nothing of it is committed."""
 
 
-def epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
-    """The mini-batches of one epoch: a permutation drawn from the client's generator, cut into batches of
-    ``batch_size``; a trailing batch of one sample is dropped (it breaks BatchNorm and adds noise only)."""
-    bs = max(1, min(batch_size, n))
-    perm = torch.randperm(n, generator=generator).to(device)
-    return [perm[s : s + bs] for s in range(0, n, bs) if not (min(bs, n - s) == 1 and n > 1)]
-
-
 @dataclass
 class PreparedClient:
-    """A client ready to train: its hooks' inputs and outputs so far, and its batch generator."""
+    """A client ready to train: the hooks' step so far, its phases and its batch generator."""
 
-    cid: int
-    info: RoundInfo
-    payload: Payload
-    view: ClientView
-    plan: LocalPlan
-    scratch: Scratch
+    step: LocalStep
+    phases: list[Phase]
     generator: torch.Generator
     seed: int
     lr_scale: float
+
+    @property
+    def cid(self) -> int:
+        return self.step.client.cid
+
+    @property
+    def info(self) -> RoundInfo:
+        return self.step.info
+
+    @property
+    def payload(self) -> Payload:
+        return self.step.payload
 
 
 def prepare_client(
@@ -87,29 +86,29 @@ def prepare_client(
     info = RoundInfo(round=round_idx, cid=cid, seed=rt.seed)
     seed = derive_seed(rt.seed, round_idx, cid)
     seed_torch(seed, rt.device)  # dropout and any in-loss sampling: order-independent
-    view = rt.data.view(cid)
     load_state(model, alg.model_weights(payload, state))
-    plan = alg.start_local(model, payload, state, view, info)
-    scratch = Scratch(alg.init_scratch(model, payload, plan.state, view, info))
+    step = LocalStep(model=model, payload=payload, state=state, client=rt.data.view(cid), info=info)
+    plan = alg.start_local(step)
+    step = step.replace(derived=plan.derived)
+    step = step.replace(scratch=Scratch(alg.init_scratch(step)))
     gen = torch.Generator().manual_seed(seed)
     decay = rt.client.lr_decay ** (round_idx - 1)
-    return PreparedClient(cid, info, payload, view, plan, scratch, gen, seed, decay)
+    return PreparedClient(step, plan.phases, gen, seed, decay)
 
 
 def finish_client(
     rt: ClientRuntime, model: nn.Module, client: PreparedClient, result: LocalResult
 ) -> ClientOutcome:
-    """Run ``finish_local`` and turn its output into an outcome; a non-finite upload is rejected."""
+    """Run ``finish_local`` (``model`` holds the trained weights) and turn its output into an outcome; a
+    non-finite upload is rejected."""
     out = ClientOutcome.received(client.cid, client.payload)
-    done = rt.algorithm.finish_local(
-        model, client.payload, client.plan.state, client.view, client.scratch, result, client.info
-    )
+    done = rt.algorithm.finish_local(client.step.replace(model=model), result)
     if not done.upload.is_finite():
         log.warning(
             "round %d: rejected update of client %d: non-finite values", client.info.round, client.cid
         )
         return out
-    out.upload = Upload(cid=client.cid, num_samples=client.view.num_samples, payload=done.upload)
+    out.upload = Upload(cid=client.cid, num_samples=client.step.client.num_samples, payload=done.upload)
     out.state = tree_to(done.state, "cpu")
     out.loss = result.loss
     return out
@@ -150,37 +149,37 @@ def run_phases(
     cfg: ClientSection,
     precision: str = "fp32",
 ) -> LocalResult:
-    """Every phase's epochs of mini-batch SGD on ``model`` over the client's tensors, each phase's learning
-    rate multiplied by the round's ``client.lr_decay`` factor; the loss under ``engine.precision``."""
-    view, phases, state = client.view, client.plan.phases, client.plan.state
+    """The client's schedule (:func:`~fedskew.engine.schedule.local_schedule`) of mini-batch SGD on
+    ``model`` over the client's tensors; the loss under ``engine.precision``. Raises :class:`NonFiniteLoss`
+    after an epoch whose loss is NaN/Inf."""
+    step, view = client.step.replace(model=model), client.step.client
     model.train()
     named = list(model.named_parameters())
-    steps, last_loss, lr = 0, float("nan"), cfg.lr
+    schedule = local_schedule(client.phases, cfg, client.lr_scale, [n for n, _ in named])
+    steps, last_loss = 0, float("nan")
+    opt: SGD | None = None
     try:
-        for p_i, phase in enumerate(phases):
-            train = [p for name, p in named if phase.trainable is None or phase.trainable(name)]
-            for name, p in named:
-                p.requires_grad_(phase.trainable is None or phase.trainable(name))
-            momentum = cfg.momentum if phase.momentum is None else phase.momentum
-            lr = phase.lr * client.lr_scale
-            opt = SGD(train, lr=lr, momentum=momentum, weight_decay=cfg.weight_decay)
-            for epoch in range(phase.epochs):
-                last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
-                total, count = torch.zeros((), device=view.x.device), 0
-                for idx in epoch_batches(view.num_samples, cfg.batch_size, client.generator, view.x.device):
-                    batch = Batch(view.x[idx], view.y[idx], epoch=epoch, last_epoch=last)
-                    with precision_context(view.x.device, precision):
-                        loss = algorithm.local_loss(model, batch, client.payload, state, client.scratch)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    total += loss.detach() * idx.numel()
-                    count += idx.numel()
-                    steps += 1
-                last_loss = float(total) / max(count, 1)
-                if not math.isfinite(last_loss):
-                    raise NonFiniteLoss(f"client {view.cid}: non-finite training loss in epoch {epoch}")
+        for spec in schedule:
+            if opt is None or spec.epoch == 0:  # a new phase: its parameters, a fresh momentum
+                chosen = set(spec.trainable)
+                for name, p in named:
+                    p.requires_grad_(name in chosen)
+                opt = SGD([p for n, p in named if n in chosen], spec.lr, spec.momentum, cfg.weight_decay)
+            totals = EpochLoss(1, view.x.device)
+            for idx in epoch_batches(view.num_samples, cfg.batch_size, client.generator, view.x.device):
+                batch = Batch(view.x[idx], view.y[idx], epoch=spec.epoch, last_epoch=spec.last)
+                with precision_context(view.x.device, precision):
+                    loss = algorithm.local_loss(step, batch)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                totals.add(loss, idx.numel())
+                steps += 1
+            last_loss = totals.means()[0]
+            if not totals.finite()[0]:
+                raise NonFiniteLoss(f"client {view.cid}: non-finite training loss in epoch {spec.epoch}")
     finally:
         for _, p in named:
             p.requires_grad_(True)
+    lr = client.phases[-1].lr * client.lr_scale if client.phases else cfg.lr  # the last phase's
     return LocalResult(steps=steps, loss=last_loss, lr=lr)

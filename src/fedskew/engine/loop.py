@@ -186,13 +186,15 @@ class Simulation:
             log.warning("round %d: every sampled client was rejected; the round is skipped", r)
         t1 = time.perf_counter()
         info = RoundInfo(round=r, cid=None, seed=self.seed)
-        server = self.algorithm.aggregate(self.server, uploads, info) if uploads else self.server
+        update = self.algorithm.aggregate(self.server, uploads, info) if uploads else None
+        server = self.server if update is None else update.state
         t2 = time.perf_counter()
         states = {o.cid: o.state for o in outcomes if o.state is not None}
         traffic = sum(u.payload.nbytes() for u in uploads), sum(o.bytes_down for o in outcomes)
         record = None
         if r % self.every == 0 or r == self.rounds:
             record = self._record(r, server, states, outcomes, traffic)
+            record.update({} if update is None else update.metrics)
         t3 = time.perf_counter()
         # commit
         self.server, self.round = server, r
@@ -220,7 +222,8 @@ class Simulation:
         """The metrics record of round ``r``'s uncommitted ``server`` and client ``states``; ``traffic``:
         the round's bytes (up, down)."""
         uploads = [o.upload for o in outcomes if o.upload is not None]
-        losses = [o.loss for o in outcomes if o.upload is not None]
+        # clients without training data have no loss (NaN): the mean is over the clients that trained
+        losses = [o.loss for o in outcomes if o.upload is not None and not np.isnan(o.loss)]
 
         def state_of(cid: int) -> State:
             return states[cid] if cid in states else self.client_state(cid)
@@ -242,7 +245,6 @@ class Simulation:
             record["dropped"] = dropped
         if not uploads:  # the server state is the previous round's: nothing was averaged
             record["skipped"] = True
-        record.update(self.algorithm.round_metrics(server))
         return record
 
     def evaluate(self) -> dict[str, Any]:

@@ -1,21 +1,62 @@
 """Local mini-batch SGD with momentum and weight decay: ``torch.optim.SGD``'s update, element for element.
 
-The update (no dampening, no Nesterov), for every parameter ``p`` that received a gradient ``g``::
+The one update rule of the engine (the sequential loop and the vectorized trainer both step through
+:func:`sgd_directions` and :func:`apply_step`), for every parameter ``p`` that received a gradient ``g``::
 
     g ← g + weight_decay · p;   b ← g (first step) or momentum · b + g;   p ← p − lr · b
 
 It is written over ``torch._foreach_*`` kernels rather than taken from ``torch.optim`` because the first
 ``torch.optim`` optimizer a process builds imports ``torch._dynamo`` (1–4 s on a CPU). Every fresh process
 that trains pays it: each Flower ClientApp (Flower starts one process per message), each sweep worker.
-On a CPU the result equals ``torch.optim.SGD``'s bit for bit (tests/test_engine_sgd.py).
+On a CPU the result equals ``torch.optim.SGD``'s bit for bit (tests/test_engine_sgd.py). The vectorized
+trainer runs the same rule on parameters stacked over clients (``[K, ...]``); a per-client learning rate
+(FedEnt's η) is a ``[K]`` tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+
+@torch.no_grad()
+def sgd_directions(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    buffers: list[Tensor | None],
+    momentum: float,
+    weight_decay: float,
+) -> list[Tensor]:
+    """The step directions ``b`` of the rule above; ``buffers`` (one per parameter, ``None`` before the
+    first step) are updated in place or adopted, and the directions returned are those buffers."""
+    grads = list(grads)
+    if weight_decay:
+        grads = list(torch._foreach_add(grads, list(params), alpha=weight_decay))
+    if not momentum:
+        return grads
+    held = [k for k, b in enumerate(buffers) if b is not None]
+    if held:
+        bufs: list[Tensor] = [buffers[k] for k in held]  # type: ignore[misc]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, [grads[k] for k in held])
+    for k, b in enumerate(buffers):
+        if b is None:
+            # torch.optim.SGD copies the first gradient; adopting it is the same value without the copy,
+            # because the caller drops ``p.grad`` and the next backward allocates a new gradient.
+            buffers[k] = grads[k].detach()
+    return [b for b in buffers if b is not None]
+
+
+@torch.no_grad()
+def apply_step(params: Sequence[Tensor], directions: Sequence[Tensor], lr: float | Tensor) -> None:
+    """``p ← p − lr · b`` in place; ``lr`` a float, or a ``[K]`` tensor: one rate per stacked client."""
+    if isinstance(lr, Tensor):
+        for p, d in zip(params, directions, strict=True):
+            p.sub_(lr.view(-1, *[1] * (d.dim() - 1)) * d)
+    else:
+        torch._foreach_add_(list(params), list(directions), alpha=-lr)
 
 
 class SGD:
@@ -39,22 +80,9 @@ class SGD:
             return
         params = [self.params[i] for i in live]
         grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        if self.weight_decay:
-            grads = list(torch._foreach_add(grads, params, alpha=self.weight_decay))
+        bufs = [self.buffers[i] for i in live]
+        directions = sgd_directions(params, grads, bufs, self.momentum, self.weight_decay)
         if self.momentum:
-            grads = self._momentum(live, grads)
-        torch._foreach_add_(params, grads, alpha=-self.lr)
-
-    def _momentum(self, live: list[int], grads: list[Tensor]) -> list[Tensor]:
-        """Update the momentum buffers of the parameters ``live`` (a first step copies the gradient)."""
-        held = [k for k, i in enumerate(live) if self.buffers[i] is not None]
-        if held:
-            bufs: list[Tensor] = [self.buffers[live[k]] for k in held]  # type: ignore[misc]
-            torch._foreach_mul_(bufs, self.momentum)
-            torch._foreach_add_(bufs, [grads[k] for k in held])
-        for k, i in enumerate(live):
-            if self.buffers[i] is None:
-                # torch.optim.SGD copies the first gradient; adopting it is the same value without the copy,
-                # because zero_grad() drops ``p.grad`` and the next backward allocates a new gradient.
-                self.buffers[i] = grads[k].detach()
-        return [self.buffers[i] for i in live]  # type: ignore[misc]
+            for i, b in zip(live, bufs, strict=True):
+                self.buffers[i] = b
+        apply_step(params, directions, self.lr)

@@ -1,16 +1,18 @@
 """Vectorized local training (``engine.mode=vectorized``): the round's clients trained at once.
 
 Every sampled client's parameters are stacked (``[K, ...]`` per tensor) and one ``torch.func.vmap`` of
-``grad`` of the algorithm's own :meth:`~fedskew.algorithms.base.Algorithm.local_loss` computes all clients'
-gradients in one call, followed by a functional SGD step (momentum, weight decay: ``torch.optim.SGD``'s
-rule). Each client keeps its own mini-batch order, drawn from the same per-(seed, round, client) generator
-as the sequential loop, so ragged client sizes are handled by step masks: at step t only the clients that
-still have a batch take part, grouped by batch size (the last batch of an epoch is shorter). Chunks of
-clients are sized to ``engine.memory_mb``. Hooks that are not per-batch losses (``start_local``,
-``finish_local``: prototypes, control variates, ...) run per client around the vectorized loop, with the
-client's own weights loaded into the shared model. What an algorithm keeps across batches lives in the
-tensors of its ``init_scratch``, stacked over clients like the parameters and updated in place under
-``vmap`` (FedProto's last-epoch prototype sums): batched, not per client.
+``grad`` of the algorithm's own :meth:`~fedskew.algorithms.base.Algorithm.local_loss` (through the public
+``torch.func.functional_call``) computes all clients' gradients in one call, followed by the engine's one
+SGD rule (:mod:`fedskew.engine.sgd`) on the stacked parameters. The schedule (epochs, learning rates,
+momentum, last-epoch flag), the batching, the loss totals and the non-finite rule are the sequential
+loop's (:mod:`fedskew.engine.schedule`). Each client keeps its own mini-batch order, drawn from the same
+per-(seed, round, client) generator as the sequential loop, so ragged client sizes are handled by step
+masks: at step t only the clients that still have a batch take part, grouped by batch size (the last batch
+of an epoch is shorter). Chunks of clients are sized to ``engine.memory_mb``. Hooks that are not per-batch
+losses (``start_local``, ``finish_local``: prototypes, control variates, ...) run per client around the
+vectorized loop, with the client's own weights loaded into the shared model. What an algorithm keeps
+across batches lives in the tensors of its ``init_scratch``, stacked over clients like the parameters and
+updated in place under ``vmap`` (FedProto's last-epoch prototype sums): batched, not per client.
 
 Where it pays: small models and small batches, where a step is dominated by per-call overhead (FedProto's
 21.8k-parameter CNN at batch 8: vmap over 20 clients was 1.44x the loop, measured on the project's 2-core
@@ -18,32 +20,42 @@ CPU machine, docs/performance.md); on large convolutions batched convolutions be
 and are slower (0.70x), so ``engine.mode=auto`` does not pick it there.
 
 An algorithm opts in with ``vectorizable = True``: its ``local_loss`` must be a pure function of the model,
-the batch, the payload, the client state and the ``init_scratch`` tensors (no per-client modules loaded in
-``start_local``, no data-dependent Python branching). Only what the loss reads (``loss_reads``: payload,
-state) is stacked, so FedProto's payloads (each client's own classes) may differ in shape. Clients may run
-different learning rates (FedEnt's per-client η): the functional SGD step takes one per client.
- Models with BatchNorm running
-statistics cannot update them under ``vmap``. :func:`unsupported_reason` says why a run falls back. Dropout
-works (``randomness="different"``), but its random stream differs from the sequential loop's.
+the batch, the payload, the client state, the derived values and the ``init_scratch`` tensors (no
+per-client modules loaded in ``start_local``, no data-dependent Python branching). Only what the loss
+reads (``loss_reads``) is stacked, so FedProto's payloads (each client's own classes) may differ in shape.
+Clients may run different learning rates (FedEnt's per-client η): the SGD step takes one per client. Under
+vmap the loss sees the round (``step.info.round``) but not the client (``step.client``, ``step.info.cid``).
+Models with BatchNorm running statistics cannot update them under ``vmap``. :func:`unsupported_reason` says
+why a run falls back. Dropout works (``randomness="different"``), but its random stream differs from the
+sequential loop's.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, vmap
-from torch.nn.utils.stateless import _reparametrize_module
+from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fedskew.algorithms.base import Algorithm, Batch, LocalResult, Payload, Phase, RoundInfo, Scratch
-from fedskew.engine.client import PreparedClient, epoch_batches, finish_client, prepare_client
+from fedskew.algorithms.base import (
+    Algorithm,
+    Batch,
+    ContractError,
+    LocalResult,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    Scratch,
+)
+from fedskew.engine.client import PreparedClient, finish_client, prepare_client
 from fedskew.engine.device import chunk_budget_mb, precision_context
 from fedskew.engine.runtime import ClientRuntime
+from fedskew.engine.schedule import EpochLoss, EpochSpec, epoch_batches, local_schedule, same_structure
+from fedskew.engine.sgd import apply_step, sgd_directions
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch
 
@@ -54,7 +66,7 @@ class NotVectorizable(RuntimeError):
 
 def unsupported_reason(alg: Algorithm, model: nn.Module) -> str | None:
     """``None`` if ``alg`` and ``model`` can be trained vectorized, else why not."""
-    if not getattr(alg, "vectorizable", False):
+    if not alg.vectorizable:
         return f"{alg.name}'s local loss keeps per-client modules or state outside the batch"
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
@@ -89,28 +101,27 @@ def chunk_size(model: nn.Module, x: Tensor, batch_size: int, memory_mb: float) -
     return max(1, int(memory_mb * 2**20 // max(per_client, 1)))
 
 
-@dataclass
-class _Client:
-    """A prepared client and its running totals in the batched loop."""
+class _NoClient:
+    """What ``step.client`` is under vmap: the loss sees a batch, not a client."""
 
-    prep: PreparedClient
-    steps: int = 0
-    loss: float = float("nan")
-    lr: float = 0.0
-    total: float = 0.0
-    count: int = 0
-    finite: bool = True
-    batches: list[Tensor] = field(default_factory=list)
-
-    @property
-    def phases(self) -> list[Phase]:
-        return self.prep.plan.phases
+    def __getattr__(self, name: str) -> Any:
+        raise ContractError(
+            f"local_loss read step.client.{name} under engine.mode=vectorized: a vectorizable loss reads "
+            "the batch, the payload, the state, derived values and scratch only"
+        )
 
 
-def _phase_key(phase: Phase, names: list[str]) -> tuple:
-    """What must be equal across the clients of a vmap call (the learning rate may differ)."""
-    trainable = tuple(n for n in names if phase.trainable is None or phase.trainable(n))
-    return (phase.epochs, phase.momentum, trainable)
+class _LossModule(nn.Module):
+    """The model wrapped with the algorithm's loss, so ``functional_call`` substitutes the stacked
+    parameters for every call the loss makes into the model (``features``, heads, ...)."""
+
+    def __init__(self, model: nn.Module, algorithm: Algorithm) -> None:
+        super().__init__()
+        self.model = model
+        self.algorithm = algorithm
+
+    def forward(self, step: LocalStep, batch: Batch) -> Tensor:
+        return self.algorithm.local_loss(step.replace(model=self.model), batch)
 
 
 def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], Any, list[int]]:
@@ -131,11 +142,24 @@ def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], 
     return stacked, list(leaves0), spec, tensor_pos
 
 
-def _rebuild(leaves: list[Any], spec: Any, tensor_pos: list[int], tensors: list[Tensor]) -> Any:
-    out = list(leaves)
-    for i, t in zip(tensor_pos, tensors, strict=True):
-        out[i] = t
-    return tree_unflatten(out, spec)
+@dataclass
+class _Stacked:
+    """A pytree per client, stacked: ``tensors`` ([K, ...] leaves) and what rebuilds one client's tree."""
+
+    tensors: list[Tensor]
+    leaves: list[Any]
+    spec: Any
+    tensor_pos: list[int]
+
+    @classmethod
+    def of(cls, trees: list[Any], what: str) -> _Stacked:
+        return cls(*_stack_trees(trees, what))
+
+    def rebuild(self, tensors: list[Tensor]) -> Any:
+        out = list(self.leaves)
+        for i, t in zip(self.tensor_pos, tensors, strict=True):
+            out[i] = t
+        return tree_unflatten(out, self.spec)
 
 
 def train_vectorized(
@@ -148,172 +172,180 @@ def train_vectorized(
     size = chunk_size(model, rt.data.x, rt.client.batch_size, budget)
     out: list[ClientOutcome] = []
     for start in range(0, len(cids), size):
-        out += _train_chunk(rt, model, job, cids[start : start + size])
+        out += _Chunk(rt, model, job, cids[start : start + size]).train()
     return out
 
 
-def _train_chunk(rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
-    alg, cfg = rt.algorithm, rt.client
-    names = [n for n, _ in model.named_parameters()]
-    clients: list[_Client] = []
-    starts: list[dict[str, Tensor]] = []
-    for cid in cids:
-        payload = alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed))
-        state = tree_to(job.states[cid], rt.device)
-        clients.append(_Client(prepare_client(rt, model, cid, job.round, payload, state)))
-        starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    keys = {tuple(_phase_key(p, names) for p in c.phases) for c in clients}
-    if len(keys) > 1:
-        raise NotVectorizable("clients run different local phases")
-    reads_payload = "payload" in alg.loss_reads
-    if reads_payload and len({tuple(sorted(c.prep.payload.config.items())) for c in clients}) > 1:
-        raise NotVectorizable("clients' payload config values differ")
-    buffers = {n: b for n, b in model.named_buffers()}
-    params = {n: torch.stack([s[n] for s in starts]) for n in names}
-    payloads = [c.prep.payload.arrays if reads_payload else {} for c in clients]
-    pay_t, pay_leaves, pay_spec, pay_pos = _stack_trees(payloads, "payloads")
-    states = [c.prep.plan.state if "state" in alg.loss_reads else {} for c in clients]
-    st_t, st_leaves, st_spec, st_pos = _stack_trees(states, "states")
-    sc_t, sc_leaves, sc_spec, sc_pos = _stack_trees(
-        [dict(c.prep.scratch) for c in clients], "init_scratch tensors"
-    )
-    scratch_t: dict[str, Tensor] = _rebuild(sc_leaves, sc_spec, sc_pos, sc_t)
-    config = dict(clients[0].prep.payload.config) if reads_payload else {}
+@dataclass
+class _Client:
+    """A prepared client, its schedule and its batches of the current epoch."""
 
-    def loss_fn(
-        train: dict[str, Tensor],
-        frozen: dict[str, Tensor],
-        x: Tensor,
-        y: Tensor,
-        pay: list[Tensor],
-        st: list[Tensor],
-        scratch: dict[str, Tensor],
-        epoch: int,
-        last: bool,
-    ) -> tuple[Tensor, Tensor]:
-        payload = Payload(arrays=_rebuild(pay_leaves, pay_spec, pay_pos, pay), config=dict(config))
-        state = _rebuild(st_leaves, st_spec, st_pos, st)
-        batch = Batch(x, y, epoch=epoch, last_epoch=last)
-        autocast = precision_context(rt.device, rt.precision)
-        with _reparametrize_module(model, {**train, **frozen, **buffers}), autocast:
-            loss = alg.local_loss(model, batch, payload, state, Scratch(scratch))  # tensors: updated in place
-        return loss, loss.detach()
+    prep: PreparedClient
+    schedule: list[EpochSpec]
+    steps: int = 0
+    loss: float = float("nan")
+    finite: bool = True
+    batches: list[Tensor] = field(default_factory=list)
 
-    step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]] = vmap(
-        grad(loss_fn, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, 0, None, None), randomness="different"
-    )
-    model.train()
-    phases = clients[0].phases
-    for p_i, phase in enumerate(phases):
-        trainable = list(_phase_key(phase, names)[2])
-        momentum = cfg.momentum if phase.momentum is None else phase.momentum
-        client_lrs = [c.phases[p_i].lr * c.prep.lr_scale for c in clients]
-        lr = torch.tensor(client_lrs, dtype=params[names[0]].dtype, device=params[names[0]].device)
-        bufs = {n: torch.zeros_like(params[n]) for n in trainable}
-        for epoch in range(phase.epochs):
-            last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
-            for c in clients:
-                view = c.prep.view
-                c.batches = epoch_batches(view.num_samples, cfg.batch_size, c.prep.generator, rt.device)
-            for c, c_lr in zip(clients, client_lrs, strict=True):
-                c.total, c.count, c.lr = 0.0, 0, c_lr
-            for t in range(max(len(c.batches) for c in clients)):
-                groups: dict[int, list[int]] = {}
-                for k, c in enumerate(clients):
-                    if t < len(c.batches):
-                        groups.setdefault(int(c.batches[t].numel()), []).append(k)
-                for members in groups.values():
-                    _step(
-                        params,
-                        bufs,
-                        trainable,
-                        names,
-                        members,
-                        clients,
-                        t,
-                        step_fn,
-                        pay_t,
-                        st_t,
-                        scratch_t,
-                        epoch,
-                        last,
-                        lr,
-                        momentum,
-                        cfg.weight_decay,
-                    )
-            for c in clients:
-                c.loss = c.total / max(c.count, 1)
-                c.finite = c.finite and math.isfinite(c.loss)
-    outcomes = []
-    for k, c in enumerate(clients):
+
+class _Chunk:
+    """One vmap group: clients of one architecture with the same schedule structure."""
+
+    def __init__(self, rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[int]) -> None:
+        self.rt, self.model, alg = rt, model, rt.algorithm
+        self.names = [n for n, _ in model.named_parameters()]
+        self.clients: list[_Client] = []
+        starts: list[dict[str, Tensor]] = []
+        for cid in cids:
+            payload = alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed))
+            prep = prepare_client(rt, model, cid, job.round, payload, tree_to(job.states[cid], rt.device))
+            schedule = local_schedule(prep.phases, rt.client, prep.lr_scale, self.names)
+            self.clients.append(_Client(prep, schedule))
+            starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        first = self.clients[0].schedule
+        if any(
+            len(c.schedule) != len(first) or not all(map(same_structure, c.schedule, first))
+            for c in self.clients
+        ):
+            raise NotVectorizable("clients run different local phases")
+        reads = alg.loss_reads
+        configs = {tuple(sorted(c.prep.payload.config.items())) for c in self.clients}
+        if "payload" in reads and len(configs) > 1:
+            raise NotVectorizable("clients' payload config values differ")
+        self.config = dict(self.clients[0].prep.payload.config) if "payload" in reads else {}
+        self.params = {n: torch.stack([s[n] for s in starts]) for n in self.names}
+        steps = [c.prep.step for c in self.clients]
+        arrays = [s.payload.arrays if "payload" in reads else {} for s in steps]
+        self.payloads = _Stacked.of(arrays, "payloads")
+        self.states = _Stacked.of([s.state if "state" in reads else {} for s in steps], "states")
+        self.derived = _Stacked.of([dict(s.derived) if "derived" in reads else {} for s in steps], "derived")
+        scratch = _Stacked.of([dict(s.scratch) for s in steps], "init_scratch tensors")
+        self.scratch: dict[str, Tensor] = scratch.rebuild(scratch.tensors)
+        self.info = RoundInfo(job.round, None, rt.seed)
+        wrapper = _LossModule(model, alg)
+        self.step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]] = vmap(
+            grad(self._loss_fn(wrapper), has_aux=True),
+            in_dims=(0, 0, 0, 0, 0, 0, 0, 0, None, None),
+            randomness="different",
+        )
+
+    def _loss_fn(self, wrapper: _LossModule) -> Callable[..., tuple[Tensor, Tensor]]:
+        rt = self.rt
+
+        def loss_fn(
+            train: dict[str, Tensor],
+            frozen: dict[str, Tensor],
+            x: Tensor,
+            y: Tensor,
+            pay: list[Tensor],
+            st: list[Tensor],
+            der: list[Tensor],
+            scratch: dict[str, Tensor],
+            epoch: int,
+            last: bool,
+        ) -> tuple[Tensor, Tensor]:
+            step = LocalStep(
+                model=wrapper.model,
+                payload=Payload(arrays=self.payloads.rebuild(pay), config=dict(self.config)),
+                state=self.states.rebuild(st),
+                client=_NO_CLIENT,  # type: ignore[arg-type]
+                info=self.info,
+                derived=self.derived.rebuild(der),
+                scratch=Scratch(scratch),  # tensors: updated in place
+            )
+            weights = {"model." + n: v for n, v in {**train, **frozen}.items()}
+            with precision_context(rt.device, rt.precision):
+                loss = functional_call(wrapper, weights, (step, Batch(x, y, epoch=epoch, last_epoch=last)))
+            return loss, loss.detach()
+
+        return loss_fn
+
+    def train(self) -> list[ClientOutcome]:
+        """Every epoch of the common schedule, each client on its own batches; then ``finish_local``."""
+        self.model.train()
+        momentum: dict[str, Tensor] = {}
+        for e, spec in enumerate(self.clients[0].schedule):
+            if spec.epoch == 0:  # a new phase: a fresh momentum (zeros: ``m·0 + g = g``, the first step's)
+                momentum = {n: torch.zeros_like(self.params[n]) for n in spec.trainable}
+            lrs = [c.schedule[e].lr for c in self.clients]
+            lr: float | Tensor = lrs[0] if len(set(lrs)) == 1 else torch.tensor(lrs, device=self.rt.device)
+            self._epoch(spec, lr, momentum)
+        return [self._finish(k, c) for k, c in enumerate(self.clients)]
+
+    def _epoch(self, spec: EpochSpec, lr: float | Tensor, momentum: dict[str, Tensor]) -> None:
+        cfg = self.rt.client
+        for c in self.clients:
+            view = c.prep.step.client
+            c.batches = epoch_batches(view.num_samples, cfg.batch_size, c.prep.generator, self.rt.device)
+        totals = EpochLoss(len(self.clients), self.rt.device)
+        for t in range(max(len(c.batches) for c in self.clients)):
+            groups: dict[int, list[int]] = {}
+            for k, c in enumerate(self.clients):
+                if t < len(c.batches):
+                    groups.setdefault(int(c.batches[t].numel()), []).append(k)
+            for members in groups.values():
+                self._step(spec, members, t, lr, momentum, totals)
+        for c, mean, ok in zip(self.clients, totals.means(), totals.finite(), strict=True):
+            c.loss, c.finite = mean, c.finite and ok
+
+    def _step(
+        self,
+        spec: EpochSpec,
+        members: list[int],
+        t: int,
+        lr: float | Tensor,
+        momentum: dict[str, Tensor],
+        totals: EpochLoss,
+    ) -> None:
+        """One SGD step of the clients ``members`` (same batch size) on their batch ``t``."""
+        everyone = len(members) == len(self.clients)
+        sel = None if everyone else torch.tensor(members, device=self.rt.device)
+
+        def take(v: Tensor) -> Tensor:
+            return v if sel is None else v.index_select(0, sel)
+
+        idx = torch.stack([self.clients[k].batches[t] for k in members])  # [G, B]
+        views = [self.clients[k].prep.step.client for k in members]
+        x = torch.stack([v.x[i] for v, i in zip(views, idx, strict=True)])
+        y = torch.stack([v.y[i] for v, i in zip(views, idx, strict=True)])
+        trainable = list(spec.trainable)
+        train = {n: take(self.params[n]) for n in trainable}
+        frozen = {n: take(self.params[n]) for n in self.names if n not in train}
+        scratch = {n: take(v) for n, v in self.scratch.items()}
+        stacks = [[take(v) for v in s.tensors] for s in (self.payloads, self.states, self.derived)]
+        grads, losses = self.step_fn(train, frozen, x, y, *stacks, scratch, spec.epoch, spec.last)
+        bufs: list[Tensor | None] = [take(momentum[n]) for n in trainable] if spec.momentum else []
+        params = [train[n] for n in trainable]
+        directions = sgd_directions(
+            params, [grads[n] for n in trainable], bufs, spec.momentum, self.rt.client.weight_decay
+        )
+        apply_step(params, directions, lr if not isinstance(lr, Tensor) else take(lr))
+        with torch.no_grad():
+            for n, p, b in zip(trainable, params, bufs or [None] * len(params), strict=True):
+                if sel is None:
+                    continue  # ``train`` and the buffers are the stacked tensors themselves
+                self.params[n].index_copy_(0, sel, p)
+                if b is not None:
+                    momentum[n].index_copy_(0, sel, b)
+            if sel is not None:  # the loss updated copies of the members' scratch: write them back
+                for n, v in scratch.items():
+                    self.scratch[n].index_copy_(0, sel, v)
+        totals.add(losses, idx.shape[1], members)
+        for k in members:
+            self.clients[k].steps += 1
+
+    def _finish(self, k: int, c: _Client) -> ClientOutcome:
         prep = c.prep
         if not c.finite:
-            outcomes.append(ClientOutcome.received(prep.cid, prep.payload))
-            continue
+            return ClientOutcome.received(prep.cid, prep.payload)
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(params[n][k])
-        seed_torch(prep.seed, rt.device)  # the global stream as the client's own, after the batched loop
-        prep.scratch = Scratch({n: v[k] for n, v in scratch_t.items()})
-        outcomes.append(finish_client(rt, model, prep, LocalResult(steps=c.steps, loss=c.loss, lr=c.lr)))
-    return outcomes
+            for n, p in self.model.named_parameters():
+                p.copy_(self.params[n][k])
+        seed_torch(prep.seed, self.rt.device)  # the global stream as the client's own, after the batched loop
+        prep.step = prep.step.replace(scratch=Scratch({n: v[k] for n, v in self.scratch.items()}))
+        lr = prep.phases[-1].lr * prep.lr_scale if prep.phases else self.rt.client.lr
+        return finish_client(self.rt, self.model, prep, LocalResult(steps=c.steps, loss=c.loss, lr=lr))
 
 
-def _step(
-    params: dict[str, Tensor],
-    bufs: dict[str, Tensor],
-    trainable: list[str],
-    names: list[str],
-    members: list[int],
-    clients: list[_Client],
-    t: int,
-    step_fn: Callable[..., tuple[dict[str, Tensor], Tensor]],
-    pay_t: list[Tensor],
-    st_t: list[Tensor],
-    scratch_t: dict[str, Tensor],
-    epoch: int,
-    last: bool,
-    lr: Tensor,
-    momentum: float,
-    weight_decay: float,
-) -> None:
-    """One SGD step of the clients ``members`` (same batch size) on their batch ``t``."""
-    everyone = len(members) == len(clients)
-    sel = None if everyone else torch.tensor(members, device=next(iter(params.values())).device)
+_NO_CLIENT = _NoClient()
 
-    def take(v: Tensor) -> Tensor:
-        return v if sel is None else v.index_select(0, sel)
-
-    idx = torch.stack([clients[k].batches[t] for k in members])  # [G, B]
-    view_x = [clients[k].prep.view for k in members]
-    x = torch.stack([v.x[i] for v, i in zip(view_x, idx, strict=True)])
-    y = torch.stack([v.y[i] for v, i in zip(view_x, idx, strict=True)])
-    train = {n: take(params[n]) for n in trainable}
-    frozen = {n: take(params[n]) for n in names if n not in train}
-    scratch = {n: take(v) for n, v in scratch_t.items()}
-    grads, losses = step_fn(
-        train, frozen, x, y, [take(v) for v in pay_t], [take(v) for v in st_t], scratch, epoch, last
-    )
-    with torch.no_grad():
-        if sel is not None:  # the loss updated copies of the members' scratch: write them back
-            for n, v in scratch.items():
-                scratch_t[n].index_copy_(0, sel, v)
-        for n in trainable:
-            g = grads[n] + weight_decay * train[n] if weight_decay else grads[n]
-            buf = momentum * take(bufs[n]) + g if momentum else g
-            lr_n = take(lr).view(-1, *[1] * (buf.dim() - 1))  # one learning rate per client
-            new = train[n] - lr_n * buf
-            if sel is None:
-                params[n].copy_(new)
-                if momentum:
-                    bufs[n].copy_(buf)
-            else:
-                params[n].index_copy_(0, sel, new)
-                if momentum:
-                    bufs[n].index_copy_(0, sel, buf)
-    batch = idx.shape[1]
-    for k, loss in zip(members, losses.tolist(), strict=True):
-        c = clients[k]
-        c.total += loss * batch
-        c.count += batch
-        c.steps += 1

@@ -242,7 +242,7 @@ def validate_semantics(cfg: Config) -> None:
             _UNKNOWN.format(where=where.format("generator")),
             4,
         )
-    if getattr(ALGORITHMS.get(cfg.algorithm.name), "vision_language", False) and vl is None:
+    if ALGORITHMS.get(cfg.algorithm.name).vision_language and vl is None:
         raise ConfigError(
             f"algorithm '{cfg.algorithm.name}' runs on backbone features: config key 'data.vision_language' "
             "is required (backbone, generator, shots, template)"
@@ -265,7 +265,7 @@ def validate_semantics(cfg: Config) -> None:
                 f"{did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or '(none)'}"
             ) from None
         raise ConfigError(f"config key 'algorithm.{key}': {e['msg']} (got {e.get('input')!r})") from None
-    if cfg.eval.protocol == "global" and getattr(alg, "requires_personalized_eval", False):
+    if cfg.eval.protocol == "global" and alg.requires_personalized_eval:
         raise ConfigError(
             f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
             "allowed: personalized"

@@ -47,5 +47,8 @@ def count_parameters(model: nn.Module) -> int:
 
 @torch.no_grad()
 def embed_in_chunks(embed: Callable[[Tensor], Tensor], x: Tensor, batch_size: int = 1024) -> Tensor:
-    """``embed`` applied to ``x`` in chunks of ``batch_size`` rows, without autograd, concatenated."""
+    """``embed`` applied to ``x`` in chunks of ``batch_size`` rows, without autograd, concatenated (a
+    client without samples gets ``embed`` of its empty batch: ``[0, d]``)."""
+    if x.shape[0] == 0:
+        return embed(x)
     return torch.cat([embed(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
