@@ -150,11 +150,15 @@ def measure_one(
     finally:
         sim.close()
     timed_rounds = sim.schedule[1 : rounds + 1]  # the eval-off rounds after the warm-up
-    per_round = sum(sim.runtime.data.size(c) for c in timed_rounds.flatten().tolist()) / len(timed_rounds)
+    per_round = sum(sim.executor.runtime.data.size(c) for c in timed_rounds.flatten().tolist()) / len(
+        timed_rounds
+    )
     per_round *= cfg.client.epochs
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     fps = train_flops_per_sample(
-        model, sim.runtime.data.x[: cfg.client.batch_size], sim.runtime.data.y[: cfg.client.batch_size]
+        model,
+        sim.executor.runtime.data.x[: cfg.client.batch_size],
+        sim.executor.runtime.data.y[: cfg.client.batch_size],
     )
     mm, conv = gemm_ceilings(4096 if device.startswith("cuda") else 2048, device=device)
     gflops = fps * per_round / off / 1e9

@@ -10,7 +10,7 @@ the uninterrupted run's: no round lost, no line duplicated, cut or changed.
 Runs are tiny (scikit-learn digits, 8 clients, a small MLP, 6 rounds), so a kill trial costs ~5 s, most of it
 two interpreter start-ups. Kill trials run the real ``fedskew run`` command in a subprocess and SIGKILL its
 main process (as the OOM killer would), at a random instant or inside a checkpoint / ``metrics.jsonl`` write
-(the forked run's ``runner.write_bytes`` writes half of the chosen write, signals a file and blocks, so the
+(the forked run's ``results.write_bytes`` writes half of the chosen write, signals a file and blocks, so the
 kill lands inside it whatever the machine's load). The other classes run the CLI's ``main`` in this process,
 with the fault injected by replacing the algorithm or the writer.
 
@@ -44,7 +44,7 @@ import yaml
 
 from fedskew.algorithms.base import ALGORITHMS, LocalOutput, Payload
 from fedskew.algorithms.fedavg import FedAvg
-from fedskew.experiment import runner
+from fedskew.experiment import results, runner
 
 MODES: dict[str, dict[str, Any]] = {
     "sequential": {"mode": "sequential", "workers": 1},
@@ -365,7 +365,7 @@ def block_inside_write(name: str, target: int, inside: Path) -> Callable[[], Non
     ``inside`` and blocks until the process is killed, so a kill lands inside that write on any machine."""
 
     def setup() -> None:
-        write, seen = runner.write_bytes, 0
+        write, seen = results.write_bytes, 0
 
         def half_then_block(fh: Any, data: bytes) -> None:
             nonlocal seen
@@ -379,7 +379,9 @@ def block_inside_write(name: str, target: int, inside: Path) -> Callable[[], Non
                         time.sleep(1.0)
             write(fh, data)
 
-        runner.write_bytes = half_then_block  # the one writer of results files (runner.write_atomic, appends)
+        results.write_bytes = (
+            half_then_block  # the one writer of results files (results.write_atomic, appends)
+        )
 
     return setup
 
@@ -502,7 +504,7 @@ class InProcess:
         fail_at = self.c.rng.randint(
             1, 3 + ROUNDS + ROUNDS // 2
         )  # config, metrics, lines, checkpoints, summary
-        calls, real = [0], runner.write_bytes
+        calls, real = [0], results.write_bytes
         snapshot: dict[str, bytes] = {}
 
         def full_disk(fh: Any, data: bytes) -> None:
@@ -514,11 +516,11 @@ class InProcess:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             real(fh, data)
 
-        runner.write_bytes = full_disk
+        results.write_bytes = full_disk
         try:
             code, err = self.run(mode, out, on_client_error="fail")
         finally:
-            runner.write_bytes = real
+            results.write_bytes = real
         after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
         # the interrupt checkpoint may replace checkpoint.pt (and move it to .prev); the rest is untouched
         kept = all(after.get(k) == v for k, v in snapshot.items() if not k.startswith("checkpoint"))

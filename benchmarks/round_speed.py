@@ -98,13 +98,13 @@ def engine_round(sim, evaluate: bool) -> Callable[[], None]:
 
 def tight_loop_round(sim, batch: int, lr: float, momentum: float) -> Callable[[], None]:
     """Tensors in memory, one reused model, weights copied in place, FedAvg by stacking."""
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     gstate = {k: v.clone() for k, v in model.state_dict().items()}
-    x_all, y_all = sim.runtime.data.x, sim.runtime.data.y
+    x_all, y_all = sim.executor.runtime.data.x, sim.executor.runtime.data.y
 
     def one_round() -> None:
         states, sizes = [], []
-        for idx in sim.runtime.data.index:
+        for idx in sim.executor.runtime.data.index:
             model.load_state_dict(gstate)
             opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
             model.train()
@@ -127,12 +127,12 @@ def tight_loop_round(sim, batch: int, lr: float, momentum: float) -> Callable[[]
 
 def dataloader_round(sim, batch: int, lr: float, momentum: float) -> Callable[[], None]:
     """The common research-code pattern: a DataLoader per client per round and a deep copy of the model."""
-    global_model = sim.runtime.models.model_for(0)
-    x_all, y_all = sim.runtime.data.x, sim.runtime.data.y
+    global_model = sim.executor.runtime.models.model_for(0)
+    x_all, y_all = sim.executor.runtime.data.x, sim.executor.runtime.data.y
 
     def one_round() -> None:
         states, sizes = [], []
-        for idx in sim.runtime.data.index:
+        for idx in sim.executor.runtime.data.index:
             local = copy.deepcopy(global_model)
             loader = DataLoader(TensorDataset(x_all[idx], y_all[idx]), batch_size=batch, shuffle=True)
             opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=momentum)
@@ -188,9 +188,11 @@ def main() -> None:
         if args.quick:
             shrink(fd, 0.1)
         sim = build_simulation(cfg, fd)
-        samples = sum(len(i) for i in sim.runtime.data.index)
-        m = sim.runtime.models.model_for(0)
-        fps = train_flops_per_sample(m, sim.runtime.data.x[:batch], sim.runtime.data.y[:batch])
+        samples = sum(len(i) for i in sim.executor.runtime.data.index)
+        m = sim.executor.runtime.models.model_for(0)
+        fps = train_flops_per_sample(
+            m, sim.executor.runtime.data.x[:batch], sim.executor.runtime.data.y[:batch]
+        )
         variants = interleaved(
             {
                 "engine (eval off)": engine_round(sim, evaluate=False),

@@ -220,17 +220,18 @@ def test_only_w1_is_sent_and_frozen_parts_stay_bit_identical(world_file, world_d
     cfg = build_config(world_config(world_file, "cachefl", rounds=2))
     sim = build_simulation(cfg)
     assets = {k: v.clone() for k, v in sim.algorithm.ctx.assets.items()}
+    features = sim.executor.runtime.data.x.raw.clone()
     w1_0 = sim.server["weights"]["model.keys"].clone()
     record = sim.run_round().record
     per_client = N * K * C  # C·N·K floats each way, W2 never
     assert record["round_params_up"] == 10 * per_client and record["round_bytes_up"] == 10 * per_client * 4
     assert record["round_params_down"] == 10 * per_client
     sim.run_round()
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     assert torch.equal(model.text, assets["text"]) and torch.equal(
         model.values, F.one_hot(assets["cache_y"], N).float()
     )
-    assert torch.equal(sim.runtime.data.x, sim.runtime.data.x.clone())  # features untouched
+    assert torch.equal(sim.executor.runtime.data.x.raw, features)  # features untouched
     for k, v in assets.items():
         assert torch.equal(sim.algorithm.ctx.assets[k], v)
     assert not torch.equal(sim.server["weights"]["model.keys"], w1_0)  # W1 did train

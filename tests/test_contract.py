@@ -121,7 +121,7 @@ def test_a_round_runs_and_every_upload_is_accepted(name):
 def test_hooks_do_not_mutate_their_inputs(name):
     sim = build_simulation(build_config(tiny_config(name, rounds=2)))
     sim.run_round()  # round 2 sees real prototypes, control variates, personal state ...
-    rt, alg, r = sim.runtime, sim.algorithm, 2
+    rt, alg, r = sim.executor.runtime, sim.algorithm, 2
     server_print = fingerprint(sim.server)
     uploads = []
     for cid in sim.schedule[r - 1].tolist():
@@ -159,12 +159,18 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_metrics(tmp_path, name
 
 
 def _qualifying_modes(name: str) -> list[tuple[str, dict]]:
-    modes = [("workers", {"workers": 2})]
-    if ALGORITHMS.get(name).vectorizable:
-        modes += [
-            ("vectorized", {"mode": "vectorized"}),
-            ("vectorized+workers", {"mode": "vectorized", "workers": 2}),
-        ]
+    """Every registered executor kind the algorithm qualifies for, in this process and in workers (the
+    sequential kind in this process is the reference)."""
+    from fedskew.engine.modes import EXECUTORS
+    from fedskew.settings import EngineSection
+
+    modes = []
+    for mode in EXECUTORS.names():
+        kind = EXECUTORS.get(mode)(EngineSection())
+        if kind.supports(ALGORITHMS.get(name)):
+            modes.append((kind.pooled_name, {"mode": mode, "workers": 2}))
+            if mode != "sequential":
+                modes.append((kind.name, {"mode": mode}))
     return modes
 
 
@@ -197,15 +203,17 @@ def test_heterogeneous_models_train_together(name):
     cfg = tiny_config(name, rounds=2)
     cfg["model"]["per_client"] = {"0-1": {"hidden": 24}, "2-3": {"hidden": 40}}
     sim = build_simulation(build_config(cfg))
-    shapes = {tuple(sim.runtime.models.model_for(c).state_dict()["body.1.weight"].shape) for c in (0, 2, 4)}
+    shapes = {
+        tuple(sim.executor.runtime.models.model_for(c).state_dict()["body.1.weight"].shape) for c in (0, 2, 4)
+    }
     assert len(shapes) == 3  # three architectures really in play
     for _ in range(2):
         record = sim.run_round().record
         assert record["rejected"] == 0
-    trained = [c for c in sim.client_states if "weights" in sim.client_states[c]]
+    trained = [c for c in sim.states.trained() if "weights" in sim.client_state(c)]
     assert trained and all(
-        sim.client_states[c]["weights"]["body.1.weight"].shape
-        == sim.runtime.models.model_for(c).state_dict()["body.1.weight"].shape
+        sim.client_state(c)["weights"]["body.1.weight"].shape
+        == sim.executor.runtime.models.model_for(c).state_dict()["body.1.weight"].shape
         for c in trained
     )
 

@@ -13,7 +13,7 @@ import yaml
 from fedskew.engine import device as devices
 from fedskew.engine.device import chunk_budget_mb, deterministic_algorithms, resolve_device
 from fedskew.errors import ConfigError
-from fedskew.experiment import runner
+from fedskew.experiment import build
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment, with_resolved_device
 from tests.conftest import digits_config
@@ -88,7 +88,7 @@ def test_config_yaml_records_the_device_auto_chose_and_a_resume_with_auto_accept
 
 def test_worker_processes_on_a_gpu_are_refused_with_the_reason(monkeypatch):
     """Workers are forked and a CUDA context cannot be: refused, not silently run in-process."""
-    monkeypatch.setattr(runner, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(build, "resolve_device", lambda name: torch.device("cuda", 0))
     cfg = build_config(digits_config(engine={"workers": 2}))
     with pytest.raises(ConfigError) as err:
         with_resolved_device(cfg)

@@ -42,7 +42,7 @@ def test_sampling_schedule_is_paired_and_uniform():
 def test_fedavg_bytes_and_record_fields():
     cfg = build_config(digits_config(rounds=2))
     summary = run_experiment(cfg)
-    model_bytes = 4 * count_parameters(build_simulation(cfg).runtime.models.model_for(None))
+    model_bytes = 4 * count_parameters(build_simulation(cfg).executor.runtime.models.model_for(None))
     # every client downloads and uploads the full model once per round (no buffers in the MLP)
     assert summary["bytes_down"] == 2 * 5 * model_bytes
     assert summary["bytes_up"] == summary["bytes_down"]
@@ -92,7 +92,7 @@ def test_personalized_evaluation_matches_direct_computation():
     data = build_data(cfg)
     sim = build_simulation(cfg, data)
     rec = sim.run_round().record
-    model = build_simulation(cfg, data).runtime.models.model_for(None)  # a second instance
+    model = build_simulation(cfg, data).executor.runtime.models.model_for(None)  # a second instance
     load_state(model, sim.server["weights"])
     model.eval()
     accs = []

@@ -9,6 +9,7 @@ import torch
 from fedskew.algorithms.fedavg import FedAvg
 from fedskew.engine import modes
 from fedskew.engine.evaluation import EVAL_BATCH
+from fedskew.engine.executors import EXECUTORS
 from fedskew.engine.loop import Simulation
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.workers import WorkerExecutor
@@ -19,14 +20,12 @@ from tests.conftest import digits_config
 
 
 def model_of(sim: Simulation, cid: int = 0) -> torch.nn.Module:
-    return sim.runtime.models.model_for(cid)
+    return sim.executor.runtime.models.model_for(cid)
 
 
 def first_round_outcomes(sim: Simulation) -> list[ClientOutcome]:
     """The first round's client outcomes through the simulation's own executor, nothing committed."""
     cids = sim.schedule[0].tolist()
-    if sim.executor is None:
-        sim.executor = modes.make_executor(sim.runtime, sim.engine, cids)
     return sim.executor.train(RoundJob(1, cids, sim.server, {c: sim.client_state(c) for c in cids}))
 
 
@@ -164,12 +163,13 @@ def test_largest_clients_go_out_first():
     sim = build_simulation(build_config(worker_config("fedavg", 2, rounds=1)))
     cids = sim.schedule[0].tolist()
     states = _OrderSpy({cid: sim.client_state(cid) for cid in cids})
-    executor = WorkerExecutor(sim.runtime, workers=2, vectorized=False, memory_mb=1024.0)
+    sequential = EXECUTORS.get("sequential")(sim.executor.engine)
+    executor = WorkerExecutor(sim.executor.runtime, sequential, workers=2)
     try:
         executor.train(RoundJob(1, cids, sim.server, states))
     finally:
         executor.close()
-    size = sim.runtime.data.size
+    size = sim.executor.runtime.data.size
     first, rest = states.order[:2], [c for c in cids if c not in states.order[:2]]
     assert min(size(c) for c in first) >= max(size(c) for c in rest)  # the two largest clients first
 
@@ -180,7 +180,7 @@ def test_vectorized_chunks_under_a_memory_budget_give_the_same_round():
     cfg = worker_config("fedprox", 1, rounds=1, mode="vectorized")
     cfg["engine"]["memory_mb"] = 1.0  # below one client of the 430k-parameter MLP: one client per chunk
     small = build_simulation(build_config(cfg))
-    size = chunk_size(small.runtime.models.model_for(0), small.runtime.data.x, 32, 1.0)
+    size = chunk_size(small.executor.runtime.models.model_for(0), small.executor.runtime.data.x, 32, 1.0)
     assert 1 <= size < len(small.schedule[0])  # really split into several chunks
     whole = build_simulation(build_config(worker_config("fedprox", 1, rounds=1, mode="vectorized")))
     a, b = small.run_round().record, whole.run_round().record

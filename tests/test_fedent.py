@@ -380,7 +380,7 @@ def test_what_crosses_the_network(algorithm, down, up_config, up_metrics):
     assert payload.nbytes() == MLP_BYTES + 8 * len(down)
     assert sim.algorithm.broadcast(sim.server, RoundInfo(1, None, sim.seed)).nbytes() == MLP_BYTES
     state = sim.client_state(0)
-    out = train_client(sim.runtime, 0, 1, payload, state)
+    out = train_client(sim.executor.runtime, 0, 1, payload, state)
     assert out.upload is not None
     up = out.upload.payload
     assert set(up.config) == up_config and set(up.metrics) == up_metrics

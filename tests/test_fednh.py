@@ -290,14 +290,14 @@ def test_fednh_learns_on_digits_and_beats_its_initial_prototypes():
 def test_only_body_scale_and_class_statistics_cross_the_network():
     cfg = digits_config(rounds=1, algorithm={"name": "fednh"}, checkpoint={"every": 0})
     sim = build_simulation(build_config(cfg))
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     assert isinstance(getattr(model, SCALE), torch.nn.Parameter)  # prepared by the runtime
     head = {k for k in model.state_dict() if model.is_head(k)}
     payload = sim.algorithm.broadcast(sim.server, RoundInfo(1, 0, sim.seed))
     body = set(model.state_dict()) - head - {SCALE}
     assert set(payload.arrays) == {MODEL_PREFIX + k for k in body} | {"protos", "scale"}
     before = {k: v.clone() for k, v in payload.arrays.items()}
-    out = train_client(sim.runtime, 0, 1, payload, sim.client_state(0))
+    out = train_client(sim.executor.runtime, 0, 1, payload, sim.client_state(0))
     assert all(torch.equal(v, before[k]) for k, v in payload.arrays.items())  # training left it intact
     assert out.upload is not None
     up = out.upload.payload

@@ -132,7 +132,7 @@ def test_only_prototypes_cross_the_network():
     sim.run_round()
     assert all(p.arrays["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
     sim.run_round()
-    weights = {tuple(v.shape) for v in sim.runtime.models.model_for(0).state_dict().values()}
+    weights = {tuple(v.shape) for v in sim.executor.runtime.models.model_for(0).state_dict().values()}
     for p in seen_up + seen_down:
         assert set(p.arrays) <= {"classes", "protos", "counts"} and not p.config and not p.metrics
         assert not {tuple(t.shape) for t in p.arrays.values()} & (weights - {(50,)})
@@ -162,7 +162,7 @@ def test_heterogeneous_models_train_together_and_learn():
         )
     )
     sim = build_simulation(cfg)
-    sizes = {count_parameters(sim.runtime.models.model_for(c)) for c in range(6)}
+    sizes = {count_parameters(sim.executor.runtime.models.model_for(c)) for c in range(6)}
     assert len(sizes) == 3
     for _ in range(cfg.rounds):
         sim.run_round()
@@ -195,9 +195,9 @@ def test_fedper_uploads_only_shared_layers_and_keeps_its_head():
     sim.algorithm.aggregate = lambda s, u, r: (ups.extend(x.payload for x in u), aggregate(s, u, r))[1]
     sim.run_round()
     names = set(ups[0].model_state())
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     assert names == set(model.state_dict()) - personal_names(model, "linear")
-    heads = [sim.client_states[c]["personal"]["classifier.1.weight"] for c in range(2)]
+    heads = [sim.client_state(c)["personal"]["classifier.1.weight"] for c in range(2)]
     assert not torch.equal(heads[0], heads[1])  # personal heads differ after local training
 
 
@@ -210,13 +210,13 @@ def test_fedrep_trains_head_on_a_frozen_body_then_the_body():
     # body_epochs=0: the shared representation is untouched (up to the average's rounding), the heads moved
     assert all(torch.allclose(before[k].float(), sim.server["weights"][k].float(), atol=1e-6) for k in before)
     head0 = sim.algorithm.ctx.initial_state(0)["classifier.1.weight"]
-    assert not torch.equal(sim.client_states[0]["personal"]["classifier.1.weight"], head0)
+    assert not torch.equal(sim.client_state(0)["personal"]["classifier.1.weight"], head0)
     state = sim.client_state(0)
     step = LocalStep(
-        model=sim.runtime.models.model_for(0),
+        model=sim.executor.runtime.models.model_for(0),
         payload=sim.algorithm.broadcast(sim.server, RoundInfo(2, 0, sim.seed)),
         state=state,
-        client=sim.runtime.data.view(0),
+        client=sim.executor.runtime.data.view(0),
         info=RoundInfo(2, 0, sim.seed),
     )
     plan = sim.algorithm.start_local(step)

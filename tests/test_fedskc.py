@@ -166,7 +166,7 @@ def skc_config(algorithm: dict, **over) -> dict:
 def train_one(sim: Simulation, cid: int, round_idx: int = 1) -> tuple[Payload, ClientOutcome]:
     """Broadcast to and train client ``cid`` of the committed state, as the sequential executor does."""
     payload = sim.algorithm.broadcast(sim.server, RoundInfo(round_idx, cid, sim.seed))
-    return payload, train_client(sim.runtime, cid, round_idx, payload, sim.client_state(cid))
+    return payload, train_client(sim.executor.runtime, cid, round_idx, payload, sim.client_state(cid))
 
 
 def test_upload_is_silu_of_the_final_models_class_mean_logits():
@@ -174,8 +174,8 @@ def test_upload_is_silu_of_the_final_models_class_mean_logits():
     payload, outcome = train_one(sim, 0)
     assert outcome.upload is not None
     up = outcome.upload.payload
-    view = sim.runtime.data.view(0)
-    model = sim.runtime.models.model_for(0)
+    view = sim.executor.runtime.data.view(0)
+    model = sim.executor.runtime.models.model_for(0)
     load_state(model, sim.algorithm.eval_weights(up, None))
     model.eval()
     logits = embed_in_chunks(model, view.x)

@@ -224,7 +224,7 @@ def test_error_replies_follow_on_client_error_and_non_finite_uploads_are_rejecte
     """A failing ClientApp is a client that raises: by default the round is not committed and the run stops
     (resumable), as in the embedded engine; under ``drop`` its clients are rejected. NaN uploads are
     rejected under both."""
-    from fedskew.engine.client import ClientError
+    from fedskew.engine.policy import ClientError
 
     raw = flower_config("fedavg", rounds=1)
     raw["client"]["fraction"] = 1.0

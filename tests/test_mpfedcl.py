@@ -196,7 +196,7 @@ def test_payloads_round_one_pool_and_upload_sizes():
     sim = build_simulation(build_config(cfg))
     first = sim.algorithm.broadcast(sim.server, RoundInfo(1, 0, sim.seed))
     assert first.arrays["pool_protos"].shape[0] == 0  # empty pool in round 1
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     # the weights and the pool with class and owner ids; no round number is sent
     pool_keys = {"pool_protos", "pool_classes", "pool_owners"}
     assert set(first.arrays) == {MODEL_PREFIX + k for k in model.state_dict()} | pool_keys
@@ -219,17 +219,17 @@ def test_kmeans_stream_is_derived_from_the_round_and_client():
     sim = build_simulation(build_config(mp_config("mpfedcl", rounds=2)))
     payload = sim.algorithm.broadcast(sim.server, RoundInfo(1, 2, sim.seed))
     state = sim.client_state(2)
-    a = train_client(sim.runtime, 2, 1, payload, state)
+    a = train_client(sim.executor.runtime, 2, 1, payload, state)
     other = sim.algorithm.broadcast(sim.server, RoundInfo(1, 0, sim.seed))
-    train_client(sim.runtime, 0, 1, other, sim.client_state(0))
-    b = train_client(sim.runtime, 2, 1, payload, state)
+    train_client(sim.executor.runtime, 0, 1, other, sim.client_state(0))
+    b = train_client(sim.executor.runtime, 2, 1, payload, state)
     assert a.upload is not None and b.upload is not None
     assert torch.equal(a.upload.payload.arrays["protos"], b.upload.payload.arrays["protos"])
 
 
 def test_lr_decay_scales_each_round():
     sim = build_simulation(build_config(mp_config("fedavg", rounds=3)))
-    rt = sim.runtime
+    rt = sim.executor.runtime
     model = rt.models.model_for(0)
     payload = sim.algorithm.broadcast(sim.server, RoundInfo(3, 0, sim.seed))
     client = prepare_client(rt, model, 0, 3, payload, sim.client_state(0))  # round 3: lr · 0.95²
@@ -302,7 +302,7 @@ def test_frozen_encoder_mode_trains_and_sends_only_the_head(tmp_path):
     data = build_data(cfg)
     sim = build_simulation(cfg, data)
     assert data.dataset.x_train.shape[1:] == (512,)  # features computed once, before training
-    head = sim.runtime.models.model_for(0)
+    head = sim.executor.runtime.models.model_for(0)
     assert sum(p.numel() for p in head.parameters()) == 133_898  # Table II: the MLP head only
     sim.run_round()
     upload = sum(v.numel() for k, v in sim.server["weights"].items())

@@ -82,14 +82,14 @@ def clip_config(checkpoint, algorithm: dict, rounds: int = 2) -> dict:
 def test_runs_from_pixels_train_only_their_own_parameters(checkpoint, algorithm):
     params = {"name": algorithm} | ({"n_ctx": 4} if algorithm == "promptfl" else {})
     sim = build_simulation(build_config(clip_config(checkpoint, params)))
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     frozen = {k: v.clone() for k, v in model.state_dict().items()}
     sim.run_round()
     after = model.state_dict()
     changed = sorted(k for k in frozen if not torch.equal(frozen[k], after[k]))
     expected = {"zeroshot": [], "cachefl": ["keys"], "promptfl": ["ctx"]}[algorithm]
     assert changed == expected  # text tower, W2, W_text: bit-identical
-    x = sim.runtime.data.x[:5]
+    x = sim.executor.runtime.data.x[:5]
     assert model(x).shape == (5, 10) and torch.isfinite(model(x)).all()
     sent = sim.server.get("weights", {})
     assert sorted(sent) == [f"model.{k}" for k in expected]
@@ -97,10 +97,12 @@ def test_runs_from_pixels_train_only_their_own_parameters(checkpoint, algorithm)
 
 def test_prompt_gradients_reach_only_the_context(checkpoint):
     sim = build_simulation(build_config(clip_config(checkpoint, {"name": "promptfl", "n_ctx": 4})))
-    model = sim.runtime.models.model_for(0)
+    model = sim.executor.runtime.models.model_for(0)
     for p in model.parameters():
         p.grad = None
-    torch.nn.functional.cross_entropy(model(sim.runtime.data.x[:6]), sim.runtime.data.y[:6]).backward()
+    torch.nn.functional.cross_entropy(
+        model(sim.executor.runtime.data.x[:6]), sim.executor.runtime.data.y[:6]
+    ).backward()
     with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
     assert with_grad == ["ctx"] and model.ctx.grad.abs().sum() > 0
 

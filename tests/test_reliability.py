@@ -19,7 +19,7 @@ from benchmarks.faults import Faulty, faulty_fedavg, strip_record, strip_summary
 
 from fedskew.algorithms.base import ALGORITHMS
 from fedskew.errors import ConfigError, FedskewError, RunFailure
-from fedskew.experiment import runner
+from fedskew.experiment import results, runner
 from fedskew.experiment.config import Config, build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from tests.conftest import digits_config
@@ -208,7 +208,7 @@ def test_resume_uses_the_previous_checkpoint_when_the_last_is_missing(tmp_path, 
 @pytest.mark.parametrize("fail_at", [3, 5, 8])  # a metrics line, a checkpoint, a later metrics line
 def test_disk_full_is_one_line_keeps_the_files_and_resumes(tmp_path, monkeypatch, reference, fail_at):
     out = tmp_path / "run"
-    calls, real, before = [0], runner.write_bytes, {}
+    calls, real, before = [0], results.write_bytes, {}
 
     def full(fh, data: bytes) -> None:
         calls[0] += 1
@@ -220,12 +220,12 @@ def test_disk_full_is_one_line_keeps_the_files_and_resumes(tmp_path, monkeypatch
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fh, data)
 
-    monkeypatch.setattr(runner, "write_bytes", full)
+    monkeypatch.setattr(results, "write_bytes", full)
     with pytest.raises(RunFailure, match=r"^cannot write '.*': the disk is full; .*--resume$"):
         run_experiment(build_config(_cfg()), out)
     assert {n: (out / n).read_bytes() for n in before} == before  # no half line, nothing overwritten
     assert not list(out.glob("*.tmp"))
-    monkeypatch.setattr(runner, "write_bytes", real)
+    monkeypatch.setattr(results, "write_bytes", real)
     run_experiment(build_config(_cfg()), out, resume=True)
     assert _same_as_reference(out, reference)
 

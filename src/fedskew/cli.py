@@ -29,11 +29,13 @@ def _registries() -> dict[str, Any]:
     from fedskew.algorithms.base import ALGORITHMS
     from fedskew.data.base import DATASETS, PARTITIONERS
     from fedskew.data.generators import GENERATORS
+    from fedskew.engine.modes import EXECUTORS
     from fedskew.models.backbones import BACKBONES
     from fedskew.models.base import MODELS
 
     return {
         "algorithms": ALGORITHMS,
+        "executors": EXECUTORS,
         "models": MODELS,
         "datasets": DATASETS,
         "partitions": PARTITIONERS,

@@ -42,11 +42,11 @@ class EvalSection(Strict):
 
 
 class EngineSection(Strict):
-    mode: Literal["auto", "sequential", "vectorized"] = Field(
+    mode: str = Field(
         "auto",
-        description="client execution: sequential, vectorized (torch.func over the sampled clients), or "
-        "auto (vectorized for small dropout-free models at small batches, else workers if > 1, else "
-        "sequential)",
+        description="client execution: a registered executor (sequential, vectorized: torch.func over the "
+        "sampled clients), or auto (vectorized for small dropout-free models at small batches, else "
+        "workers if > 1, else sequential)",
     )
     workers: int = Field(
         1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
@@ -67,6 +67,13 @@ class EngineSection(Strict):
         "bit-reproducible GPU runs where every operation has a deterministic implementation",
     )
     memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
+    state_memory_mb: float = Field(
+        64.0,
+        gt=0,
+        description="memory for the clients' committed states (personal models, control variates, ...); "
+        "the least recently trained beyond it wait on disk (<out>/client-states, or a temporary folder under "
+        "$FEDSKEW_CACHE) and are read back exactly",
+    )
     memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
         "auto",
         description="tensor layout of 2-d convolutional models: channels_last (NHWC, faster on CPU), "

@@ -30,6 +30,25 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
     return DEFAULT_ROOT.expanduser()
 
 
+@dataclass(frozen=True)
+class Normaliser:
+    """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``; other inputs are copied to
+    float32 (tabular data and features are stored normalised). In place on one new tensor, so converting a
+    large set costs one float32 copy, not three. Element-wise, so a batch converts to the same values as
+    the rows of the whole set."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.to(torch.float32, copy=True)
+        if x.dim() == 4:
+            mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+            std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+            x.sub_(mean).div_(std)
+        return x
+
+
 @dataclass
 class Dataset:
     """A labelled dataset held as tensors, never as per-sample Python objects.
@@ -64,14 +83,13 @@ class Dataset:
         return list(self.classes) if self.classes is not None else [str(c) for c in range(self.num_classes)]
 
     def to_float(self, x: Tensor) -> Tensor:
-        """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std``: in place on one new
-        tensor (the whole training set is converted at once: temporaries would triple its peak memory)."""
-        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.to(torch.float32, copy=True)
-        if x.dim() == 4:
-            mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-            std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-            x.sub_(mean).div_(std)
-        return x
+        """uint8 images -> float32 in [0, 1], then per-channel ``(x - mean) / std`` (:class:`Normaliser`)."""
+        return self.normaliser()(x)
+
+    def normaliser(self) -> Normaliser:
+        """:meth:`to_float` as a small object that holds no tensors of the dataset: the engine keeps it, and
+        the stored samples, instead of a normalised copy of the training set."""
+        return Normaliser(tuple(self.mean), tuple(self.std))
 
     def __repr__(self) -> str:  # keep tensors out of reprs
         return (

@@ -35,23 +35,19 @@ from fedskew.algorithms.base import (
     load_state,
 )
 from fedskew.engine.device import precision_context
+from fedskew.engine.policy import client_raised, finite_upload
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.schedule import EpochLoss, NonFiniteLoss, epoch_batches, local_schedule
 from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
-from fedskew.errors import RunFailure
 from fedskew.seeding import derive_seed, seed_torch
 from fedskew.settings import ClientSection
 
-__all__ = ["ALLOWED", "ClientError", "NonFiniteLoss", "epoch_batches", "train_client"]
+__all__ = ["NonFiniteLoss", "epoch_batches", "train_client"]
 
 log = logging.getLogger("fedskew.engine")
-#: the values of engine.on_client_error, for error messages
-ALLOWED = "allowed: drop_non_finite, drop, fail"
 
 
-class ClientError(RunFailure):
-    """A client failed and ``engine.on_client_error`` says to fail the round: nothing of it is committed."""
 
 
 @dataclass
@@ -103,10 +99,7 @@ def finish_client(
     non-finite upload is rejected."""
     out = ClientOutcome.received(client.cid, client.payload)
     done = rt.algorithm.finish_local(client.step.replace(model=model), result)
-    if not done.upload.is_finite():
-        log.warning(
-            "round %d: rejected update of client %d: non-finite values", client.info.round, client.cid
-        )
+    if not finite_upload(done.upload, client.info.round, client.cid):
         return out
     out.upload = Upload(cid=client.cid, num_samples=client.step.client.num_samples, payload=done.upload)
     out.state = tree_to(done.state, "cpu")
@@ -119,7 +112,8 @@ def train_client(
 ) -> ClientOutcome:
     """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``. A
     client that raises fails the round with a :class:`ClientError` naming it, or under
-    ``on_client_error=drop`` is dropped (a rejected outcome, logged); a ContractError is always raised."""
+    ``on_client_error=drop`` is dropped (a rejected outcome, logged): :mod:`fedskew.engine.policy`. A
+    ContractError is always raised."""
     try:
         model = rt.models.model_for(cid)
         client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
@@ -131,14 +125,9 @@ def train_client(
         return finish_client(rt, model, client, result)
     except ContractError:  # the algorithm breaks the contract for every client: never a client's fault
         raise
-    except Exception as err:
-        what = f"round {round_idx}: client {cid} raised {type(err).__name__}: {err}".splitlines()[0]
-        if rt.on_client_error != "drop":
-            raise ClientError(
-                f"{what}; the round was not committed (engine.on_client_error={rt.on_client_error}; "
-                f"{ALLOWED})"
-            ) from err
-        log.warning("%s; the client is dropped from the round", what)
+    except Exception as err:  # the policy fails the round (fedskew.engine.policy) or drops the client
+        what = f"round {round_idx}: client {cid} raised {type(err).__name__}: {err}"
+        client_raised(rt.on_client_error, what)
         return ClientOutcome.received(cid, payload)
 
 

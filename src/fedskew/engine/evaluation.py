@@ -1,20 +1,36 @@
 """Evaluation protocols: ``global`` (one model, the held-out global test set) and ``personalized`` (each
-client's own test split, with the model / state that client would use). Batched; every metric once."""
+client's own test split, with the model / state that client would use). Batched; every metric once.
+
+The round transaction (:class:`fedskew.engine.loop.Simulation`) asks a :class:`RoundEvaluator`: this
+module's :class:`Evaluator` scores in this process; the Flower server's scores personal models on the
+nodes holding the clients' states. Both reduce per-client sums with :func:`client_summary`, so a metric
+means the same on both runtimes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.algorithms.base import Algorithm, Payload, RoundInfo, State, load_state
+from fedskew.data.federated import FederatedData
 from fedskew.engine.device import precision_context
 from fedskew.engine.runtime import ModelCache
 from fedskew.engine.types import tree_to
+
+
+class RoundEvaluator(Protocol):
+    """Metrics of a (server state, client states) pair: what the round transaction records."""
+
+    def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
+        """The record of ``server`` and the clients' states (``state_of(cid)``, CPU) after ``round_idx``."""
+        ...
+
 
 #: default evaluation batch per device type: on a CPU, 128 images keep a CNN's activations in cache (a 10k
 #: MNIST evaluation of cnn_mnist took 3.7 s at 1024 and 1.6 s at 128); a GPU wants large batches
@@ -90,12 +106,23 @@ def summarize(
     return out
 
 
-def segment_mean(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
-    """Mean of ``values`` within each segment (client), vectorized with ``index_add_``."""
+def client_summary(
+    correct: dict[str, Tensor], loss: Tensor, sizes: Tensor, heads: list[str]
+) -> dict[str, Any]:
+    """The personalized record from per-client sums: ``correct[head][i]`` correct predictions and
+    ``loss[i]`` the summed loss of client ``i``'s ``sizes[i]`` samples (float64). Accuracies and losses are
+    per-client means; the loss is averaged over the clients that have samples, as the accuracy is
+    (:func:`summarize`). The one reduction of both runtimes."""
+    counts = sizes.double().clamp_min(1)
+    per_client = {h: correct[h] / counts for h in heads}
+    mean_loss = float((loss / counts)[sizes > 0].mean())
+    return summarize(per_client, mean_loss, heads, sizes)
+
+
+def segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """Sum of ``values`` within each segment (client), in float64, vectorized with ``index_add_``."""
     sums = torch.zeros(num_segments, dtype=torch.float64, device=values.device)
-    sums.index_add_(0, segment_ids, values.double())
-    counts = torch.bincount(segment_ids, minlength=num_segments).double().clamp_min(1)
-    return sums / counts
+    return sums.index_add_(0, segment_ids, values.double())
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -104,16 +131,35 @@ def _identity(x: Tensor) -> Tensor:
 
 @dataclass
 class EvalData:
-    """The held-out tensors on the device: the raw global test set (converted per batch), the clients'
-    test splits as index views into it, and the validation views into the normalised training pool."""
+    """The held-out tensors on the device: the raw global test set (converted per batch) with the clients'
+    test splits as index views into it, and the validation samples (normalised) with the clients'
+    validation splits as index views into them. No training sample besides the validation ones."""
 
     x_test: Tensor
     y_test: Tensor
     to_float: Callable[[Tensor], Tensor]
     test_idx: list[Tensor]
-    x_train: Tensor
-    y_train: Tensor
+    x_val: Tensor
+    y_val: Tensor
     val_idx: list[Tensor]
+
+    @classmethod
+    def of(cls, data: FederatedData, device: torch.device) -> EvalData:
+        """The evaluation data of ``data`` on ``device``. The validation samples are kept in the order of
+        their training-set index (the order scoring saw them in when they were read from the whole
+        training pool), each client's split an index view into them."""
+        ds = data.dataset
+        val = data.val_idx or []
+        pool = torch.unique(torch.cat(val)) if val else torch.zeros(0, dtype=torch.long)
+        return cls(
+            x_test=ds.x_test.to(device),
+            y_test=ds.y_test.to(device),
+            to_float=ds.normaliser(),
+            test_idx=[t.to(device) for t in data.test_idx],
+            x_val=ds.normaliser()(ds.x_train[pool]).to(device),
+            y_val=ds.y_train[pool].to(device),
+            val_idx=[torch.searchsorted(pool, v).to(device) for v in val],
+        )
 
 
 class Evaluator:
@@ -138,13 +184,12 @@ class Evaluator:
         d, per_client = self.data, self.protocol == "personalized"
         scorer = _Scorer(self, server, state_of, round_idx)
         out = scorer.split(d.x_test, d.y_test, d.test_idx if per_client else None, d.to_float)
-        if sum(len(v) for v in d.val_idx):
-            # Validation (for best-round selection, never test) lives in the already-normalised training pool.
+        if d.y_val.numel():  # validation (for best-round selection, never test): already normalised
             if per_client:
-                val = scorer.split(d.x_train, d.y_train, d.val_idx, _identity)
+                val = scorer.split(d.x_val, d.y_val, d.val_idx, _identity)
             else:
                 idx = torch.cat(d.val_idx)
-                val = scorer.split(d.x_train[idx], d.y_train[idx], None, _identity)
+                val = scorer.split(d.x_val[idx], d.y_val[idx], None, _identity)
             out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
         return out
 
@@ -177,10 +222,16 @@ class _Scorer:
             return summarize(
                 {h: c.double().mean().view(1) for h, c in s.correct.items()}, float(s.loss.mean()), heads
             )
+        n = len(client_idx)
         sizes = torch.tensor([len(i) for i in client_idx], device=x.device)
-        seg = torch.repeat_interleave(torch.arange(len(client_idx), device=x.device), sizes)
-        if self.ev.algorithm.personalized_eval:
-            parts = [self.score(cid, x[idx], y[idx], to_float) for cid, idx in enumerate(client_idx)]
+        if not bool((sizes > 0).any()):  # no client has samples: nothing to score
+            zero = torch.zeros(n, dtype=torch.float64)
+            return client_summary({"logits": zero}, zero, sizes.cpu(), ["logits"])
+        seg = torch.repeat_interleave(torch.arange(n, device=x.device), sizes)
+        if self.ev.algorithm.personalized_eval:  # a client without samples adds none (and is not scored)
+            parts = [
+                self.score(cid, x[idx], y[idx], to_float) for cid, idx in enumerate(client_idx) if len(idx)
+            ]
             correct = {h: torch.cat([p.correct[h] for p in parts]) for h in parts[0].correct}
             loss = torch.cat([p.loss for p in parts])
         else:  # one shared model: score each distinct test sample once, then gather per client
@@ -188,7 +239,5 @@ class _Scorer:
             s = self.score(None, x[uniq], y[uniq], to_float)
             correct = {h: c[inverse] for h, c in s.correct.items()}
             loss = s.loss[inverse]
-        n = len(client_idx)
-        per_client = {h: segment_mean(c, seg, n) for h, c in correct.items()}
-        mean_loss = float(segment_mean(loss, seg, n)[sizes > 0].mean())
-        return summarize(per_client, mean_loss, list(correct), sizes)
+        sums = {h: segment_sum(c, seg, n) for h, c in correct.items()}
+        return client_summary(sums, segment_sum(loss, seg, n), sizes, list(correct))

@@ -1,27 +1,34 @@
 """Executors: how a round's sampled clients are trained. Every one returns outcomes in sampling order and
 gives the same numbers as the sequential one (tested for every registered algorithm).
 
-* :class:`SequentialExecutor`: one client after another, in this process.
-* :class:`VectorizedExecutor`: the clients of an architecture at once under ``torch.func.vmap``
-  (:mod:`fedskew.engine.vectorized`), falling back to sequential training with a logged reason.
-* :class:`~fedskew.engine.workers.WorkerExecutor`: forked single-thread worker processes, each running the
-  sequential or vectorized path on its share (``engine.workers``).
+An executor *kind* is one way of training clients inside a process, registered by name in
+:data:`EXECUTORS` and selected with ``engine.mode=<name>``; a new kind is one module that registers
+itself (imported by :mod:`fedskew.engine.modes`, as :mod:`fedskew.algorithms` imports its methods). The
+engine runs a kind in this process (:class:`InProcessExecutor`) or, with ``engine.workers > 1``, in
+forked worker processes (:class:`~fedskew.engine.workers.WorkerExecutor`); ``engine.mode=auto`` chooses
+among the built-in kinds (:mod:`fedskew.engine.modes`).
 
-The round loop (:mod:`fedskew.engine.loop`) only sees the :class:`Executor` protocol; a Flower runtime
-drives :func:`~fedskew.engine.client.train_client` on its nodes instead.
+* ``sequential``: one client after another.
+* ``vectorized``: the clients of an architecture at once under ``torch.func.vmap``
+  (:mod:`fedskew.engine.vectorized`), falling back to sequential training with a logged reason.
+
+The round loop (:mod:`fedskew.engine.loop`) only sees the :class:`Executor` protocol; the Flower server
+implements it by sending the clients to the nodes that own them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
-from fedskew.algorithms.base import ContractError, RoundInfo
+from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
-from fedskew.engine.vectorized import NotVectorizable, train_vectorized
+from fedskew.engine.vectorized import NotVectorizable, train_vectorized, unsupported_reason
+from fedskew.registry import Registry
+from fedskew.settings import EngineSection
 
 log = logging.getLogger("fedskew.engine")
 
@@ -34,6 +41,32 @@ class Executor(Protocol):
     def train(self, job: RoundJob) -> list[ClientOutcome]: ...
 
     def close(self) -> None: ...
+
+
+class ExecutorKind(Protocol):
+    """One way of training clients inside a process (``engine.mode=<name>``)."""
+
+    #: the executor's name in this process, and in worker processes (``engine.workers > 1``)
+    name: str
+    pooled_name: str
+    #: worker tasks: a balanced group of clients per worker (True) or one client per task (False)
+    grouped: bool
+
+    def supports(self, algorithm: type[Algorithm]) -> bool:
+        """Whether the kind can train ``algorithm`` at all (a model may still rule it out)."""
+        ...
+
+    def unsupported(self, rt: ClientRuntime, cids: list[int]) -> str | None:
+        """Why the kind cannot train these clients of ``rt`` (None: it can)."""
+        ...
+
+    def train(self, rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
+        """Broadcast to and train ``cids`` of ``job`` in this process; outcomes in ``cids`` order."""
+        ...
+
+
+#: name -> ``kind(engine_section)``; ``engine.mode`` names one, or ``auto``
+EXECUTORS: Registry[Callable[[EngineSection], ExecutorKind]] = Registry("executor")
 
 
 def train_sequential(rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
@@ -71,29 +104,54 @@ def train_grouped_vectorized(
     return [done[c] for c in cids]
 
 
-class SequentialExecutor:
-    name = "sequential"
+@EXECUTORS.register("sequential")
+class Sequential:
+    """One client after another (every algorithm, every model)."""
 
-    def __init__(self, rt: ClientRuntime) -> None:
-        self.rt = rt
+    name, pooled_name, grouped = "sequential", "workers", False
 
-    def train(self, job: RoundJob) -> list[ClientOutcome]:
-        return train_sequential(self.rt, job, job.cids)
-
-    def close(self) -> None:
+    def __init__(self, engine: EngineSection) -> None:
         pass
 
+    def supports(self, algorithm: type[Algorithm]) -> bool:
+        return True
 
-class VectorizedExecutor:
-    name = "vectorized"
+    def unsupported(self, rt: ClientRuntime, cids: list[int]) -> str | None:
+        return None
 
-    def __init__(self, rt: ClientRuntime, memory_mb: float) -> None:
-        self.rt, self.memory_mb = rt, memory_mb
+    def train(self, rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
+        return train_sequential(rt, job, cids)
+
+
+@EXECUTORS.register("vectorized")
+class Vectorized:
+    """The clients of an architecture at once under ``torch.func.vmap``, in chunks of ``engine.memory_mb``."""
+
+    name, pooled_name, grouped = "vectorized", "vectorized+workers", True
+
+    def __init__(self, engine: EngineSection) -> None:
+        self.memory_mb = engine.memory_mb
+
+    def supports(self, algorithm: type[Algorithm]) -> bool:
+        return bool(algorithm.vectorizable)
+
+    def unsupported(self, rt: ClientRuntime, cids: list[int]) -> str | None:
+        return unsupported_reason(rt.algorithm, rt.models.model_for(cids[0]))
+
+    def train(self, rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[ClientOutcome]:
+        if len(cids) < 2:
+            return train_sequential(rt, job, cids)
+        return train_grouped_vectorized(rt, job, cids, self.memory_mb)
+
+
+class InProcessExecutor:
+    """Runs an executor kind on every round's clients in this process."""
+
+    def __init__(self, rt: ClientRuntime, kind: ExecutorKind) -> None:
+        self.rt, self.kind, self.name = rt, kind, kind.name
 
     def train(self, job: RoundJob) -> list[ClientOutcome]:
-        if len(job.cids) < 2:
-            return train_sequential(self.rt, job, job.cids)
-        return train_grouped_vectorized(self.rt, job, job.cids, self.memory_mb)
+        return self.kind.train(self.rt, job, job.cids)
 
     def close(self) -> None:
         pass

@@ -1,10 +1,11 @@
 """``engine.mode`` and ``engine.memory_format``: which executor trains the clients, in which layout.
 
-The ``auto`` rules are measured on this project's 2-core CPU machine (docs/performance.md): vmap wins on
-small models at small batches and loses on large convolutions; worker processes win once a client's round
-is a few hundred samples x epochs; NHWC convolutions are 1.1-1.6x faster on CPU. ``auto`` never vectorizes
-a model with dropout, because vmap's dropout stream differs from the sequential loop's, so ``auto`` always
-reproduces the sequential numbers.
+``engine.mode`` names an executor kind registered in :data:`~fedskew.engine.executors.EXECUTORS`, or
+``auto``. The ``auto`` rules are measured on this project's 2-core CPU machine (docs/performance.md): vmap
+wins on small models at small batches and loses on large convolutions; worker processes win once a
+client's round is a few hundred samples x epochs; NHWC convolutions are 1.1-1.6x faster on CPU. ``auto``
+never vectorizes a model with dropout, because vmap's dropout stream differs from the sequential loop's,
+so ``auto`` always reproduces the sequential numbers.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedskew.engine.executors import Executor, SequentialExecutor, VectorizedExecutor
+from fedskew.engine import executors, workers  # noqa: F401  (the built-in executor kinds register)
+from fedskew.engine.executors import EXECUTORS, Executor, ExecutorKind, InProcessExecutor
 from fedskew.engine.runtime import ClientRuntime
-from fedskew.engine.vectorized import unsupported_reason
+from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.workers import WorkerExecutor, pool_supported
 from fedskew.settings import EngineSection
 
@@ -38,45 +40,93 @@ def memory_format(setting: str, device: torch.device, mode: str) -> str:
     return "channels_last" if device.type == "cpu" and mode != "vectorized" else "contiguous"
 
 
+def modes() -> list[str]:
+    """The values of ``engine.mode``: ``auto`` and every registered executor kind."""
+    return ["auto", *EXECUTORS.names()]
+
+
 def _has_dropout(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
-def choose_mode(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> tuple[str, str]:
-    """``(mode, why)``: ``vectorized``, ``vectorized+workers`` (a vmapped group of clients per worker
-    process), ``workers`` or ``sequential``, from ``engine.mode``, ``engine.workers`` and the workload."""
+def _auto_kind(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> tuple[ExecutorKind, str, bool]:
+    """``engine.mode=auto``: ``(kind, why, pooled)``: vectorized for small dropout-free models at small
+    batches, else workers when the clients are large enough to pay for shipping them, else sequential."""
     model = rt.models.model_for(cids[0])
-    vec_reason = unsupported_reason(rt.algorithm, model)
+    vec = EXECUTORS.get("vectorized")(engine)
+    vec_reason = vec.unsupported(rt, cids)
     pool_reason = pool_supported(rt.device) if engine.workers > 1 else "engine.workers=1"
     params = sum(p.numel() for p in model.parameters())
     batch = rt.client.batch_size
-    if engine.mode == "vectorized" and vec_reason is not None:
-        log.warning("engine.mode=vectorized: %s", vec_reason)
     small = params <= AUTO_VECTOR_MAX_PARAMS and batch <= AUTO_VECTOR_MAX_BATCH
-    wants_vector = engine.mode == "vectorized" or (
-        engine.mode == "auto" and small and not _has_dropout(model)
-    )
-    if vec_reason is None and wants_vector:
-        why = f"{params:,} parameters, batch {batch}"
-        if pool_reason is None:  # a group of clients per worker
-            return "vectorized+workers", f"{why}, {engine.workers} processes"
-        return "vectorized", why
+    if vec_reason is None and small and not _has_dropout(model):
+        return vec, f"{params:,} parameters, batch {batch}", pool_reason is None
+    seq = EXECUTORS.get("sequential")(engine)
     work = float(np.mean([rt.data.size(c) for c in cids])) * rt.client.epochs
-    big_enough = engine.mode != "auto" or work >= AUTO_WORKERS_MIN_SAMPLES
-    if pool_reason is None and big_enough:
-        return "workers", f"{engine.workers} processes"
+    if pool_reason is None and work >= AUTO_WORKERS_MIN_SAMPLES:
+        return seq, "", True
     reasons = [r for r in (vec_reason, pool_reason if engine.workers > 1 else None) if r]
     if engine.workers > 1 and not reasons:
         reasons = [f"clients too small for workers (< {AUTO_WORKERS_MIN_SAMPLES} samples x epochs)"]
-    return "sequential", "; ".join(reasons) or "engine.workers=1"
+    return seq, "; ".join(reasons) or "engine.workers=1", False
+
+
+def _named_kind(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> tuple[ExecutorKind, str, bool]:
+    """``engine.mode=<kind>``: that kind (sequential, with the reason logged, when it cannot train these
+    clients), in worker processes when ``engine.workers > 1`` allows."""
+    kind = EXECUTORS.get(engine.mode)(engine)
+    reason = kind.unsupported(rt, cids)
+    if reason is not None:
+        log.warning("engine.mode=%s: %s", engine.mode, reason)
+        kind = EXECUTORS.get("sequential")(engine)
+    pool_reason = pool_supported(rt.device) if engine.workers > 1 else "engine.workers=1"
+    why = ""
+    if kind.name == "vectorized":
+        model = rt.models.model_for(cids[0])
+        why = f"{sum(p.numel() for p in model.parameters()):,} parameters, batch {rt.client.batch_size}"
+    return kind, "; ".join(r for r in (why, reason, pool_reason) if r), pool_reason is None
 
 
 def make_executor(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> Executor:
-    """The executor for ``engine`` and the first round's clients ``cids``; the choice is logged."""
-    mode, why = choose_mode(rt, engine, cids)
-    log.info("engine.mode=%s: training clients %s (%s)", engine.mode, mode, why)
-    if mode == "sequential":
-        return SequentialExecutor(rt)
-    if mode == "vectorized":
-        return VectorizedExecutor(rt, engine.memory_mb)
-    return WorkerExecutor(rt, engine.workers, mode == "vectorized+workers", engine.memory_mb)
+    """The executor for ``engine`` and the first round's clients ``cids``; the choice is logged. The first
+    client's model instance is built here whatever the mode (the rules read it), so model instances are
+    built at the same point of the run, from the same generator state, in every mode."""
+    rt.models.model_for(cids[0])
+    choose = _auto_kind if engine.mode == "auto" else _named_kind
+    kind, why, pooled = choose(rt, engine, cids)
+    if pooled:
+        executor: Executor = WorkerExecutor(rt, kind, engine.workers)
+        why = f"{why}, {engine.workers} processes" if why else f"{engine.workers} processes"
+    else:
+        executor = InProcessExecutor(rt, kind)
+    log.info("engine.mode=%s: training clients %s (%s)", engine.mode, executor.name, why)
+    return executor
+
+
+class EmbeddedExecutor:
+    """The embedded engine's executor: trains in this machine's processes from the :class:`ClientRuntime`
+    it holds (the only place the embedded engine builds one), with the executor ``engine.mode`` names,
+    chosen on the first round (the ``auto`` rules look at the round's clients)."""
+
+    def __init__(self, runtime: ClientRuntime, engine: EngineSection) -> None:
+        self.runtime, self.engine = runtime, engine
+        self.chosen: Executor | None = None
+
+    @property
+    def name(self) -> str:
+        """The chosen executor's name (``engine.mode`` until the first round)."""
+        return self.chosen.name if self.chosen is not None else self.engine.mode
+
+    @property
+    def processes(self) -> int:
+        """Worker processes alive now (0 in-process)."""
+        return int(getattr(self.chosen, "processes", 0))
+
+    def train(self, job: RoundJob) -> list[ClientOutcome]:
+        if self.chosen is None:
+            self.chosen = make_executor(self.runtime, self.engine, job.cids)
+        return self.chosen.train(job)
+
+    def close(self) -> None:
+        if self.chosen is not None:
+            self.chosen.close()

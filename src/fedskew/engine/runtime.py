@@ -1,14 +1,16 @@
 """The client side of a run, fixed for its whole length: data placement, model instances, the algorithm.
 
 A :class:`ClientRuntime` is everything :func:`fedskew.engine.client.train_client` needs besides a round's
-payload and a client's state. The embedded engine builds one per run (forked worker processes inherit it);
-a Flower ClientApp builds the same one from the same config on its node.
+payload and a client's state. It is built only where clients train: by the embedded engine for its
+executor (forked worker processes inherit it) and by a Flower ClientApp on its node, from the same config
+(:mod:`fedskew.engine.assembly`). A server that only aggregates and evaluates never builds one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,11 +23,43 @@ from fedskew.settings import ClientSection
 INIT_KEY = 0xC0FFEE  # seed key of the initial model
 
 
+def _identity(model: nn.Module) -> nn.Module:
+    return model
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Training inputs as stored (uint8 images, float features), normalised when rows are read.
+
+    Why not a normalised copy: float32 is four times the uint8 images, and the engine only ever reads a
+    client's rows (1.25 GB of the 1.97 GB a 100,000-client MNIST-sized federation held after set-up,
+    ``benchmarks/load.py``). The normalisation is element-wise, so rows read here equal the rows of a
+    normalised copy bit for bit.
+    """
+
+    raw: Tensor
+    normalise: Callable[[Tensor], Tensor]
+
+    def __getitem__(self, idx: Any) -> Tensor:
+        return self.normalise(self.raw[idx])
+
+    def __len__(self) -> int:
+        return int(self.raw.shape[0])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
 @dataclass
 class ClientData:
-    """Training tensors on the training device (normalised once) and clients as index views."""
+    """Training samples on the training device and clients as index views into them."""
 
-    x: Tensor
+    x: Inputs
     y: Tensor
     index: list[Tensor]
     class_counts: Tensor  # [N, C] (CPU)
@@ -38,21 +72,27 @@ class ClientData:
         return int(self.index[cid].numel())
 
 
-@dataclass
 class ModelCache:
     """Builds models on the device in the engine's memory layout and keeps one instance per architecture.
 
-    ``prepare`` (the algorithm's :meth:`~fedskew.algorithms.base.Algorithm.prepare_model`) is applied to every
-    model built, so the global model, clients' models and algorithms' reference models agree.
+    ``prepare`` (the algorithm's :meth:`~fedskew.algorithms.base.Algorithm.prepare_model`, given at
+    construction, see :func:`fedskew.engine.assembly.construct_algorithm`) is applied to every model built,
+    so the global model, clients' models and algorithms' reference models agree.
     """
 
-    factory: Callable[[int | None], nn.Module]
-    arch_key: Callable[[int | None], Hashable]
-    device: torch.device
-    memory_format: str  # "contiguous" | "channels_last" (resolved, see fedskew.engine.modes)
-    seed: int
-    prepare: Callable[[nn.Module], nn.Module] = lambda m: m
-    _instances: dict[Hashable, nn.Module] = field(default_factory=dict)
+    def __init__(
+        self,
+        factory: Callable[[int | None], nn.Module],
+        arch_key: Callable[[int | None], Hashable],
+        device: torch.device,
+        memory_format: str,
+        seed: int,
+        prepare: Callable[[nn.Module], nn.Module] = _identity,
+    ) -> None:
+        self.factory, self.arch_key, self.device = factory, arch_key, device
+        self.memory_format = memory_format  # "contiguous" | "channels_last" (resolved: fedskew.engine.modes)
+        self.seed, self.prepare = seed, prepare
+        self._instances: dict[Hashable, nn.Module] = {}
 
     def build(self, cid: int | None) -> nn.Module:
         """A new model for ``cid`` on the device, in the engine's memory format (values unchanged)."""
@@ -86,7 +126,7 @@ class ClientRuntime:
     client: ClientSection
     seed: int
     device: torch.device
-    on_client_error: str = "drop_non_finite"  # engine.on_client_error
+    on_client_error: str = "drop_non_finite"  # engine.on_client_error (fedskew.engine.policy)
     precision: str = "fp32"  # engine.precision: the forward passes' autocast (fedskew.engine.device)
 
     def initial_state(self, cid: int) -> State:

@@ -169,7 +169,7 @@ def train_vectorized(
     order."""
     model = rt.models.model_for(cids[0])
     budget = chunk_budget_mb(rt.device, memory_mb)  # a CPU budget, or a share of the GPU's free memory
-    size = chunk_size(model, rt.data.x, rt.client.batch_size, budget)
+    size = chunk_size(model, rt.data.x[:1], rt.client.batch_size, budget)
     out: list[ClientOutcome] = []
     for start in range(0, len(cids), size):
         out += _Chunk(rt, model, job, cids[start : start + size]).train()

@@ -6,8 +6,8 @@ by ~1.3x on FedAvg/MNIST, measured on the project's 2-core CPU machine, docs/per
 are forked once, after the simulation is built, so they inherit the dataset tensors, the models and the
 algorithm copy-on-write: nothing is set up twice and the data is never pickled. Each round the parent
 sends a worker the server state (once, with its first task of the round) and, per task, the client ids and
-their states; the worker runs the very same :func:`~fedskew.engine.executors.train_sequential` (or the
-vectorized path) as the parent would and sends the outcomes back.
+their states; the worker runs the very same executor kind (:mod:`fedskew.engine.executors`: sequential or
+vectorized) as the parent would and sends the outcomes back.
 
 Messages carry their tensors through an :class:`Arena` per worker and direction: an anonymous shared mapping
 made before the fork, so a tensor costs one copy in and one copy out. (torch's own sharing makes a shared
@@ -43,15 +43,15 @@ import torch
 import torch.multiprocessing as mp
 
 from fedskew.algorithms.base import State
-from fedskew.engine.executors import train_grouped_vectorized, train_sequential
+from fedskew.engine.executors import ExecutorKind
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import RunFailure
 
 log = logging.getLogger("fedskew.engine")
 
-#: the client runtime the forked workers inherit (set only while forking)
-_INHERITED: ClientRuntime | None = None
+#: the client runtime and the executor kind the forked workers inherit (set only while forking)
+_INHERITED: tuple[ClientRuntime, ExecutorKind] | None = None
 #: seconds between liveness checks while waiting for results
 _POLL_SECONDS = 1.0
 #: bytes of each arena (virtual: pages are only backed once written); larger messages are pickled whole
@@ -164,11 +164,11 @@ def die_with_parent(parent: int) -> None:
 def _worker_main(
     inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena, parent: int
 ) -> None:
-    """Worker loop: ``(round, cids, server | None, client states, vectorized, memory_mb)`` in, ``(wid, cids,
-    outcomes)`` out. A task is one client, or with ``vectorized`` a group trained at once with vmap. The
-    server state comes with a worker's first task of a round and serves its later ones."""
-    rt = _INHERITED
-    assert rt is not None
+    """Worker loop: ``(round, cids, server | None, client states)`` in, ``(wid, cids, outcomes)`` out. A task
+    is one client, or for a grouped kind (vectorized) a group trained at once. The server state comes with a
+    worker's first task of a round and serves its later ones."""
+    assert _INHERITED is not None
+    rt, kind = _INHERITED
     if sys.platform.startswith("linux"):
         die_with_parent(parent)
     torch.set_num_threads(1)
@@ -178,15 +178,12 @@ def _worker_main(
         message = inbox.get()
         if message is None:
             return
-        round_idx, cids, new_server, states, vectorized, memory_mb = task_arena.loads(message)
+        round_idx, cids, new_server, states = task_arena.loads(message)
         if new_server is not None:
             server = new_server
         job = RoundJob(round_idx, cids, server, dict(zip(cids, states, strict=True)))
         try:
-            if vectorized:
-                outcome: Any = train_grouped_vectorized(rt, job, cids, memory_mb)
-            else:
-                outcome = train_sequential(rt, job, cids)
+            outcome: Any = kind.train(rt, job, cids)
         except Exception as err:  # sent back: the parent raises it with the client's id
             outcome = WorkerFailure(cids[0], err)
         outbox.put((wid, cids, result_arena.dumps(outcome)))
@@ -204,9 +201,9 @@ def balanced_groups(cids: Sequence[int], cost: Callable[[int], float], n: int) -
 
 
 class WorkerPool:
-    """``n`` persistent forked workers that train clients of a :class:`ClientRuntime`."""
+    """``n`` persistent forked workers training clients of a :class:`ClientRuntime` with an executor kind."""
 
-    def __init__(self, rt: ClientRuntime, n: int) -> None:
+    def __init__(self, rt: ClientRuntime, kind: ExecutorKind, n: int) -> None:
         global _INHERITED
         ctx = mp.get_context("fork")
         self.n = n
@@ -214,7 +211,7 @@ class WorkerPool:
         self.outbox = ctx.Queue()
         self.task_arenas = [Arena() for _ in range(n)]
         self.result_arenas = [Arena() for _ in range(n)]
-        _INHERITED = rt
+        _INHERITED = (rt, kind)
         try:
             self.procs = [
                 ctx.Process(
@@ -237,12 +234,12 @@ class WorkerPool:
             _INHERITED = None
 
     def train(
-        self, job: RoundJob, cost: Callable[[int], float], vectorized: bool = False, memory_mb: float = 0.0
+        self, job: RoundJob, cost: Callable[[int], float], grouped: bool = False
     ) -> list[ClientOutcome]:
-        """Train ``job``'s clients; outcomes in the order of ``job.cids``. ``vectorized``: a group of clients
-        per worker, of balanced cost, each trained with vmap in its worker."""
+        """Train ``job``'s clients; outcomes in the order of ``job.cids``. ``grouped``: a group of clients
+        per worker, of balanced cost, each trained at once in its worker."""
         cids = job.cids
-        if vectorized:
+        if grouped:
             tasks = deque(balanced_groups(cids, cost, self.n))
         else:
             tasks = deque([cid] for cid in sorted(cids, key=lambda c: -cost(c)))  # largest first
@@ -253,7 +250,7 @@ class WorkerPool:
             group = tasks.popleft()
             server = None if has_server[w] else job.server
             has_server[w] = True
-            task = (job.round, group, server, [job.states[cid] for cid in group], vectorized, memory_mb)
+            task = (job.round, group, server, [job.states[cid] for cid in group])
             self.inboxes[w].put(self.task_arenas[w].dumps(task))
 
         busy = 0
@@ -305,13 +302,13 @@ class WorkerPool:
 
 
 class WorkerExecutor:
-    """Trains a round's clients in ``workers`` forked processes (forked on the first round that needs
-    them), one client per task or, with ``vectorized``, one vmapped group per worker. Rounds too small to
-    share run in this process on the same path."""
+    """Runs an executor kind in ``workers`` forked processes (forked on the first round that needs them):
+    one client per task or, for a grouped kind, one group per worker. Rounds too small to share run in this
+    process on the same path."""
 
-    def __init__(self, rt: ClientRuntime, workers: int, vectorized: bool, memory_mb: float) -> None:
-        self.rt, self.workers, self.vectorized, self.memory_mb = rt, workers, vectorized, memory_mb
-        self.name = "vectorized+workers" if vectorized else "workers"
+    def __init__(self, rt: ClientRuntime, kind: ExecutorKind, workers: int) -> None:
+        self.rt, self.kind, self.workers = rt, kind, workers
+        self.name = kind.pooled_name
         self.pool: WorkerPool | None = None
 
     @property
@@ -320,19 +317,14 @@ class WorkerExecutor:
         return 0 if self.pool is None else sum(p.is_alive() for p in self.pool.procs)
 
     def train(self, job: RoundJob) -> list[ClientOutcome]:
-        too_small = len(job.cids) < (2 * self.workers if self.vectorized else 2)
-        if too_small:
-            if self.vectorized and len(job.cids) > 1:
-                return train_grouped_vectorized(self.rt, job, job.cids, self.memory_mb)
-            return train_sequential(self.rt, job, job.cids)
+        if len(job.cids) < (2 * self.workers if self.kind.grouped else 2):  # too small to share
+            return self.kind.train(self.rt, job, job.cids)
         attempt = 0
         while True:
             if self.pool is None:
-                self.pool = WorkerPool(self.rt, min(self.workers, len(self.rt.data.index)))
+                self.pool = WorkerPool(self.rt, self.kind, min(self.workers, len(self.rt.data.index)))
             try:
-                return self.pool.train(
-                    job, lambda cid: float(self.rt.data.size(cid)), self.vectorized, self.memory_mb
-                )
+                return self.pool.train(job, lambda cid: float(self.rt.data.size(cid)), self.kind.grouped)
             except WorkerDied as err:  # nothing of the round was committed: run it again on new workers
                 self.pool, attempt = None, attempt + 1
                 if attempt > WORKER_RETRIES:

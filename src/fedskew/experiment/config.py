@@ -216,6 +216,7 @@ def validate_semantics(cfg: Config) -> None:
     from fedskew.models.base import MODELS
 
     DATASETS.get(cfg.data.dataset)
+    _check_mode(cfg.engine.mode)
     part = dict(cfg.data.partition)
     if "name" not in part:
         raise ConfigError(
@@ -253,6 +254,16 @@ def validate_semantics(cfg: Config) -> None:
         parse_client_range(rng)
         check_options(model_fn, opts, _UNKNOWN.format(where=f"model.per_client.{rng}"), 2)
     alg = ALGORITHMS.get(cfg.algorithm.name)
+    _check_hyper_parameters(alg, cfg)
+    if cfg.eval.protocol == "global" and alg.requires_personalized_eval:
+        raise ConfigError(
+            f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
+            "allowed: personalized"
+        )
+
+
+def _check_hyper_parameters(alg: Any, cfg: Config) -> None:
+    """The algorithm's hyper-parameters against its ``Params`` model, in one line."""
     try:
         alg.Params(**cfg.algorithm.hyper())
     except ValidationError as err:
@@ -265,10 +276,17 @@ def validate_semantics(cfg: Config) -> None:
                 f"{did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or '(none)'}"
             ) from None
         raise ConfigError(f"config key 'algorithm.{key}': {e['msg']} (got {e.get('input')!r})") from None
-    if cfg.eval.protocol == "global" and alg.requires_personalized_eval:
+
+
+def _check_mode(mode: str) -> None:
+    """``engine.mode``: ``auto`` or a registered executor (a new executor registers itself)."""
+    from fedskew.engine.modes import modes
+
+    allowed = modes()
+    if mode not in allowed:
         raise ConfigError(
-            f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
-            "allowed: personalized"
+            f"config key 'engine.mode': unknown executor {mode!r}{did_you_mean(mode, allowed)}; "
+            f"allowed: {', '.join(allowed)}"
         )
 
 

@@ -27,17 +27,15 @@ import torch
 import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from fedskew.algorithms import ALGORITHMS
 from fedskew.algorithms.base import Payload, State, load_state
+from fedskew.engine.assembly import client_data
 from fedskew.engine.client import train_client
-from fedskew.engine.device import resolve_device, use_deterministic_algorithms
+from fedskew.engine.device import use_deterministic_algorithms
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
-from fedskew.engine.loop import build_runtime
-from fedskew.engine.modes import memory_format
-from fedskew.engine.runtime import ClientData, ClientRuntime, ModelCache
+from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
+from fedskew.experiment.build import build_algorithm, build_data
 from fedskew.experiment.config import Config, build_config
-from fedskew.experiment.runner import build_data, model_builders
 from fedskew.flower.records import get_payload, put_payload, state_from_bytes, state_to_bytes
 from fedskew.flower.versions import Versions, versions_of
 
@@ -120,63 +118,32 @@ def timed_node_runtime(config_text: str, context: Context) -> tuple[NodeRuntime,
 
 
 def build_node(cfg: Config, index: int) -> NodeRuntime:
-    """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``."""
+    """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``
+    (training samples as stored, normalised when read; evaluation splits of the owned clients only)."""
     data = build_data(cfg)
-    build_model, arch_key = model_builders(cfg, data)
-    device = resolve_device(cfg.engine.device)  # each node resolves auto on its own machine
     if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
         use_deterministic_algorithms()
-    fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
-    models = ModelCache(build_model, arch_key, device, fmt, cfg.seed)
-    alg_cls = ALGORITHMS.get(cfg.algorithm.name)
-    params = alg_cls.Params(**cfg.algorithm.hyper())
-    full = build_runtime(
-        data,
-        alg_cls,
-        params,
-        models,
-        cfg.client,
-        cfg.rounds,
-        cfg.seed,
-        cfg.engine.on_client_error,
-        cfg.engine.precision,
-    )
+    algorithm, models = build_algorithm(cfg, data)  # each node resolves engine.device=auto on its own machine
+    device = models.device
     owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
-    # Only the owned clients' samples stay in memory; the others become empty views.
-    keep = [full.data.index[c] for c in owned]
-    x, y = full.data.x[torch.cat(keep)], full.data.y[torch.cat(keep)]
-    index_of, start = [], 0
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    for c in range(data.num_clients):
-        if c in owned:
-            n = full.data.index[c].numel()
-            index_of.append(torch.arange(start, start + n, device=device))
-            start += n
-        else:
-            index_of.append(empty)
     rt = ClientRuntime(
-        full.algorithm,
-        ClientData(x, y, index_of, full.data.class_counts),
-        models,
-        cfg.client,
-        cfg.seed,
-        device,
-        cfg.engine.on_client_error,
-        cfg.engine.precision,
-    )
+        algorithm, client_data(data, device, owned), models, cfg.client, cfg.seed, device,
+        cfg.engine.on_client_error, cfg.engine.precision,
+    )  # fmt: skip
     ds = data.dataset
+    normalise = ds.normaliser()
     val = data.val_idx or [torch.zeros(0, dtype=torch.long) for _ in range(data.num_clients)]
     splits = {
         c: Split(
             ds.x_test[data.test_idx[c]].to(device),
             ds.y_test[data.test_idx[c]].to(device),
-            full.data.x[val[c].to(device)],
-            full.data.y[val[c].to(device)],
+            normalise(ds.x_train[val[c]]).to(device),
+            ds.y_train[val[c]].to(device),
         )
         for c in owned
     }
     batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
-    return NodeRuntime(cfg, rt, owned, splits, ds.to_float, batch)
+    return NodeRuntime(cfg, rt, owned, splits, normalise, batch)
 
 
 # ---------------------------------------------------------------------- versioned client states

@@ -1,19 +1,22 @@
 """The server side: the embedded round transaction with its clients trained on Flower nodes.
 
 :func:`serve` is the body of the ``ServerApp``: it runs :func:`fedskew.experiment.runner.run_experiment`
-(checkpoints, ``metrics.jsonl``, ``summary.json``, ``--resume``) and attaches a :class:`FlowerExecutor`,
-which sends each round one ``train`` message per node holding sampled clients (their broadcast payloads,
-the round, and references to their states on that node) through Flower's ``Grid`` and turns the replies
-into the :class:`~fedskew.engine.types.ClientOutcome` list the round loop expects. Personalized evaluation
-asks the nodes to score their clients' personal models (:class:`FlowerEvaluator`).
+(checkpoints, ``metrics.jsonl``, ``summary.json``, ``--resume``) with an assembler,
+:func:`server_simulation`, that builds the round transaction from the Flower parts: a
+:class:`FlowerExecutor`, which sends each round one ``train`` message per node holding sampled clients
+(their broadcast payloads, the round, and references to their states on that node) through Flower's
+``Grid`` and turns the replies into the :class:`~fedskew.engine.types.ClientOutcome` list the round loop
+expects; a :class:`FlowerEvaluator`, which asks the nodes to score their clients' personal models; and a
+client-state store of references (the version number of each client's state on its node). The server
+holds the algorithm, the global test set, the validation samples and the clients' counts, never their
+training samples (docs/deployment.md).
 
 Faults: a node that does not reply within ``engine.round_timeout`` seconds, or that Flower reports lost
 (no heartbeat: ``NODE_UNAVAILABLE``; an expired message), loses its clients for that round (``dropped`` in
-the metrics record; the round goes on with the others). A ClientApp that fails (an error reply) follows
-``engine.on_client_error`` like a client that raises in the embedded engine (``drop``: its clients are
-rejected; otherwise the round is not committed and the run stops, resumable), and a non-finite upload is
-rejected. A restarted node gets a new Flower node id and is
-found again by its ``partition-id`` on the next round.
+the metrics record; the round goes on with the others). A ClientApp that fails (an error reply) and a
+non-finite upload follow ``engine.on_client_error`` exactly as a client that raises or diverges in the
+embedded engine (:mod:`fedskew.engine.policy`). A restarted node gets a new Flower node id and is found
+again by its ``partition-id`` on the next round.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedskew.algorithms.base import RoundInfo, State, Upload
-from fedskew.engine.client import ALLOWED, ClientError
-from fedskew.engine.evaluation import Evaluator, summarize
+from fedskew.algorithms.base import Algorithm, RoundInfo, State, Upload
+from fedskew.engine.assembly import initial_server
+from fedskew.engine.evaluation import Evaluator, client_summary
 from fedskew.engine.loop import Simulation
+from fedskew.engine.policy import client_raised, finite_upload
+from fedskew.engine.states import SpillingStates
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import FedskewError
+from fedskew.experiment.build import build_algorithm, build_data, evaluator, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.flower.records import get_payload, put_payload
@@ -157,8 +163,10 @@ class FlowerExecutor:
 
     name = "flower"
 
-    def __init__(self, sim: Simulation, grid: Grid, cfg: Config, out: Path | None = None) -> None:
-        self.sim, self.cfg = sim, cfg
+    def __init__(
+        self, algorithm: Algorithm, grid: Grid, cfg: Config, device: torch.device, out: Path | None = None
+    ) -> None:
+        self.algorithm, self.cfg, self.device = algorithm, cfg, device
         self.log_path = out / ROUNDS_FILE if out is not None else None
         self.config_text = dump_config(cfg)
         self.experiment = experiment_key(self.config_text, out)
@@ -191,7 +199,7 @@ class FlowerExecutor:
         return groups, missing
 
     def train(self, job: RoundJob) -> list[ClientOutcome]:
-        alg, seed = self.sim.algorithm, self.sim.seed
+        alg, seed = self.algorithm, self.cfg.seed
         payloads = {cid: alg.broadcast(job.server, RoundInfo(job.round, cid, seed)) for cid in job.cids}
         groups, missing = self.by_node(job.cids)
         messages = {
@@ -252,19 +260,13 @@ class FlowerExecutor:
             return {c: ClientOutcome(cid=c, bytes_down=payloads[c].nbytes(), dropped=True) for c in cids}
         out = {c: ClientOutcome.received(c, payloads[c]) for c in cids}
         if reply.has_error():  # the ClientApp failed: the embedded engine's rule for a client that raises
-            what = f"round {r}: clients {cids} failed on their node: {reply.error.reason}".splitlines()[0]
-            policy = self.cfg.engine.on_client_error
-            if policy != "drop":
-                raise ClientError(
-                    f"{what}; the round was not committed (engine.on_client_error={policy}; {ALLOWED})"
-                )
-            log.warning("%s; the clients are dropped from the round", what)
+            what = f"round {r}: clients {cids} failed on their node: {reply.error.reason}"
+            client_raised(self.cfg.engine.on_client_error, what)
             return out
         info = reply.content["job"]
         for cid, loss, n in zip(info["accepted"], info["loss"], info["samples"], strict=True):
-            payload = get_payload(reply.content, f"u.{cid}", self.sim.runtime.device)
-            if not payload.is_finite():
-                log.warning("round %d: rejected update of client %d: non-finite values", r, cid)
+            payload = get_payload(reply.content, f"u.{cid}", self.device)
+            if not finite_upload(payload, r, int(cid)):
                 continue
             o = out[int(cid)]
             o.upload = Upload(cid=int(cid), num_samples=int(n), payload=payload)
@@ -320,43 +322,47 @@ class FlowerEvaluator:
     def combine(
         rows: dict[str, torch.Tensor], split: str, sizes: list[int], heads: list[str]
     ) -> dict[str, Any]:
-        """Per-client accuracies and mean per-client loss, as the embedded evaluator's ``summarize``."""
+        """The nodes' per-client sums reduced as the embedded evaluator reduces its own
+        (:func:`~fedskew.engine.evaluation.client_summary`): a client without samples has no row and is left
+        out of the means."""
         zero = torch.zeros(len(heads) + 1, dtype=torch.float64)
         table = torch.stack([rows.get(f"{split}.{c}", zero) for c in range(len(sizes))])
-        n = torch.tensor(sizes, dtype=torch.float64).clamp_min(1)
-        per_client = {h: table[:, i] / n for i, h in enumerate(heads)}
-        loss = float((table[:, -1] / n).mean())
-        return summarize(per_client, loss, heads, torch.tensor(sizes))
+        correct = {h: table[:, i] for i, h in enumerate(heads)}
+        return client_summary(correct, table[:, -1], torch.tensor(sizes), heads)
 
 
-def attach_flower(
-    sim: Simulation,
-    grid: Grid,
-    cfg: Config,
-    test_sizes: list[int],
-    val_sizes: list[int],
-    out: Path | None = None,
-) -> None:
-    """Swap ``sim``'s executor and evaluator for the Flower ones; client states become node references."""
-    executor = FlowerExecutor(sim, grid, cfg, out)
-    sim.executor = executor
-    sim.evaluator = FlowerEvaluator(sim.evaluator, executor, test_sizes, val_sizes)  # type: ignore[assignment]
-    sim.initial_client_state = lambda cid: {REF_KEY: 0}
+def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Path | None) -> Simulation:
+    """The ServerApp's round transaction: the algorithm and the evaluation data (global test set,
+    validation samples) built from the config, the clients' counts for the algorithm's context, and the
+    Flower executor, evaluator and state references. The clients' training samples are read (the partition
+    needs every label) and released before the first round."""
+    data = build_data(cfg)
+    algorithm, models = build_algorithm(cfg, data)
+    local = evaluator(cfg, algorithm, models, data)
+    test_sizes = [int(t.numel()) for t in data.test_idx]
+    val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
+    plan = round_plan(cfg, data.num_clients)
+    del data  # from here on the server holds no training sample but the validation ones
+    server = initial_server(algorithm, models, cfg.seed)
+    executor = FlowerExecutor(algorithm, grid, cfg, models.device, out)
+    states = SpillingStates(lambda cid: {REF_KEY: 0}, int(cfg.engine.state_memory_mb * 2**20), states_dir)
+    return Simulation(
+        algorithm,
+        server,
+        plan,
+        executor=executor,
+        evaluator=FlowerEvaluator(local, executor, test_sizes, val_sizes),
+        states=states,
+    )
 
 
 def serve(grid: Grid, cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
     """The ServerApp's body: the whole experiment, with the results files in ``out``."""
-    from fedskew.experiment.runner import build_data
-
-    data = build_data(cfg)
-    test_sizes = [int(t.numel()) for t in data.test_idx]
-    val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
-
     folder = Path(out) if out is not None else None
     if force and folder is not None:
         (folder / ROUNDS_FILE).unlink(missing_ok=True)
 
-    def attach(sim: Simulation) -> None:
-        attach_flower(sim, grid, cfg, test_sizes, val_sizes, folder)
+    def assemble(cfg: Config, states_dir: Path | None) -> Simulation:
+        return server_simulation(grid, cfg, folder, states_dir)
 
-    return run_experiment(cfg, out, resume=resume, force=force, data=data, attach=attach)
+    return run_experiment(cfg, out, resume=resume, force=force, assemble=assemble)

@@ -1,0 +1,194 @@
+"""From a validated config to the parts of a run: the federated data, the models, the embedded simulation.
+
+Everything here is a pure function of the config (and the machine's device for ``engine.device: auto``),
+so every process of a run (the embedded engine, a Flower ServerApp, each Flower node) builds the same
+partition, the same initial model and the same algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fedskew.algorithms.base import ALGORITHMS, Algorithm
+from fedskew.data.base import DATASETS, resolve_root
+from fedskew.data.federated import FederatedData, build_federated
+from fedskew.engine.assembly import ClientMeta, ModelSpec, client_data, construct_algorithm, initial_server
+from fedskew.engine.device import resolve_device
+from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator
+from fedskew.engine.loop import RoundPlan, Simulation
+from fedskew.engine.modes import EmbeddedExecutor, memory_format
+from fedskew.engine.runtime import ClientRuntime, ModelCache
+from fedskew.engine.sampling import sampling_schedule
+from fedskew.engine.states import SpillingStates
+from fedskew.errors import ConfigError
+from fedskew.experiment.config import Config, VisionLanguageConfig, parse_client_range
+from fedskew.models.base import MODELS
+from fedskew.models.frozen import frozen_features
+from fedskew.models.vision_language import VisionLanguageSpec, vision_language_data
+
+
+def with_resolved_device(cfg: Config) -> Config:
+    """``cfg`` with ``engine.device: auto`` replaced by the device this machine runs it on (what
+    ``config.yaml`` records); an explicit device is checked. Also refuses worker processes on a GPU: they
+    are forked, and a CUDA context cannot be forked."""
+    device = resolve_device(cfg.engine.device)
+    if cfg.engine.workers > 1 and device.type != "cpu":
+        raise ConfigError(
+            f"config key 'engine.workers': {cfg.engine.workers} needs engine.device=cpu (worker processes "
+            f"are forked, and a {device.type} context cannot be forked); on {device} train many clients at "
+            "once with engine.mode=vectorized; allowed here: 1"
+        )
+    if cfg.engine.device != "auto":
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"device": str(device)})})
+
+
+def recorded_config(cfg: Config) -> Config:
+    """The config a run records in ``config.yaml`` and compares on resume: for the embedded runtime with
+    its device resolved; Flower's processes each resolve ``auto`` on their own machine."""
+    return with_resolved_device(cfg) if cfg.engine.runtime == "embedded" else cfg
+
+
+def build_data(cfg: Config) -> FederatedData:
+    """Load the dataset and partition it (a pure function of the config's data section and seed)."""
+    loader = DATASETS.get(cfg.data.dataset)
+    root = resolve_root(cfg.data.root)
+    dataset = loader(root, **cfg.data.options)
+    enc = cfg.data.frozen_encoder
+    if enc is not None:
+        weights = Path(enc.weights) if Path(enc.weights).is_absolute() else Path(root) / enc.weights
+        device = str(resolve_device(cfg.engine.device))  # the encoder runs where the clients train
+        dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, device)
+    fed = build_federated(
+        dataset,
+        cfg.data.num_clients,
+        cfg.data.partition,
+        cfg.seed,
+        test=cfg.data.test or None,
+        val_fraction=cfg.data.val_fraction,
+        train_limit=cfg.data.train_limit,
+        shots=cfg.data.shots,
+        val_shots=cfg.data.val_shots,
+    )
+    vl = cfg.data.vision_language
+    if vl is not None:
+        fed = vision_language_data(fed, vision_language_spec(vl), root)
+    return fed
+
+
+def vision_language_spec(vl: VisionLanguageConfig) -> VisionLanguageSpec:
+    """The pipeline's spec from the validated ``data.vision_language`` section."""
+    fields = vl.model_dump(exclude={"backbone", "generator"})
+    return VisionLanguageSpec(
+        backbone=vl.backbone.name,
+        backbone_options=dict(vl.backbone.options),
+        generator=vl.generator.name,
+        generator_options=dict(vl.generator.options),
+        **fields,
+    )
+
+
+def model_options(cfg: Config) -> Callable[[int | None], dict[str, Any]]:
+    """``options_for(cid)``: the model options of one client (``per_client`` ranges override)."""
+    base = cfg.model.options()
+    table: dict[int, dict[str, Any]] = {}
+    for spec, opts in cfg.model.per_client.items():
+        for cid in parse_client_range(spec):
+            if cid >= cfg.data.num_clients:
+                raise ConfigError(
+                    f"config key 'model.per_client.{spec}': client {cid} >= data.num_clients; allowed: "
+                    f"client ids 0-{cfg.data.num_clients - 1}"
+                )
+            table[cid] = {**base, **opts}
+
+    def options_for(cid: int | None) -> dict[str, Any]:
+        return table.get(cid, base) if cid is not None else base
+
+    return options_for
+
+
+def model_builders(
+    cfg: Config, data: FederatedData
+) -> tuple[Callable[[int | None], nn.Module], Callable[[int | None], Hashable]]:
+    """``(build_model, arch_key)`` of a run: client ``cid``'s model (``None``: the global one) and a key
+    equal for clients of the same architecture. They keep the data's shapes, not the data."""
+    in_shape, num_classes = data.dataset.in_shape, data.dataset.num_classes
+    factory = MODELS.get(cfg.model.name)
+    options_for = model_options(cfg)
+
+    def build_model(cid: int | None) -> nn.Module:
+        return factory(in_shape, num_classes, **options_for(cid))
+
+    def arch_key(cid: int | None) -> Hashable:
+        return repr(sorted(options_for(cid).items()))
+
+    return build_model, arch_key
+
+
+def build_algorithm(cfg: Config, data: FederatedData) -> tuple[Algorithm, ModelCache]:
+    """The run's algorithm and model cache on this machine's device (for ``engine.device``), from the
+    config and the data's metadata (:func:`fedskew.engine.assembly.construct_algorithm`)."""
+    device = resolve_device(cfg.engine.device)
+    build_model, arch_key = model_builders(cfg, data)
+    fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
+    alg_cls = ALGORITHMS.get(cfg.algorithm.name)
+    spec = ModelSpec(build_model, arch_key, device, fmt, cfg.seed)
+    params = alg_cls.Params(**cfg.algorithm.hyper())
+    return construct_algorithm(alg_cls, params, ClientMeta.of(data), spec, cfg.client, cfg.rounds, cfg.seed)
+
+
+def evaluator(cfg: Config, algorithm: Algorithm, models: ModelCache, data: FederatedData) -> Evaluator:
+    """The evaluator of ``eval.protocol`` over ``data``'s held-out sets, on the models' device."""
+    device = models.device
+    batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
+    eval_data = EvalData.of(data, device)
+    return Evaluator(algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, cfg.engine.precision)
+
+
+def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
+    """The run's pre-drawn sampling stream, evaluation cadence and failure policy."""
+    return RoundPlan(
+        schedule=sampling_schedule(num_clients, cfg.client.fraction, cfg.rounds, cfg.seed),
+        num_clients=num_clients,
+        every=cfg.eval.every,
+        seed=cfg.seed,
+        on_client_error=cfg.engine.on_client_error,
+        device=resolve_device(cfg.engine.device),
+    )
+
+
+def build_simulation(
+    cfg: Config, data: FederatedData | None = None, states_dir: Path | None = None
+) -> Simulation:
+    """The embedded runtime of a validated config: clients trained in this machine's processes from a
+    :class:`~fedskew.engine.runtime.ClientRuntime`, evaluated here, their states kept in a
+    :class:`~fedskew.engine.states.SpillingStates` store spilling to ``states_dir`` (``None``: a temporary
+    folder under ``$FEDSKEW_CACHE``)."""
+    if cfg.engine.runtime != "embedded":
+        raise ConfigError(
+            f"engine.runtime={cfg.engine.runtime} runs through fedskew.flower.run_flower (`fedskew run` does "
+            "this); allowed here: embedded"
+        )
+    cfg = with_resolved_device(cfg)
+    data = data if data is not None else build_data(cfg)
+    algorithm, models = build_algorithm(cfg, data)
+    e = cfg.engine
+    rt = ClientRuntime(
+        algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, models.device,
+        e.on_client_error, e.precision,
+    )  # fmt: skip
+    scorer = evaluator(cfg, algorithm, models, data)
+    server = initial_server(algorithm, models, cfg.seed)
+    states = SpillingStates(rt.initial_state, int(e.state_memory_mb * 2**20), states_dir)
+    return Simulation(
+        algorithm,
+        server,
+        round_plan(cfg, data.num_clients),
+        executor=EmbeddedExecutor(rt, e),
+        evaluator=scorer,
+        states=states,
+    )
