@@ -115,6 +115,42 @@ class RateParams(HyperParams):
     )
 
 
+class FedEntParams(RateParams):
+    """FedEnt's hyper-parameters: the rate's solver options on top of :class:`RateParams`."""
+
+    eq24: Literal["consistent", "printed"] = Field(
+        "consistent",
+        description="closed form η = c s / (1 + c‖g‖²) (algebra of Eq. 23) or Eq. (24) as "
+        "printed, with ‖g‖ in place of ‖g‖² (ablation)",
+    )
+    solver: Literal["stationary", "minimiser"] = Field(
+        "stationary",
+        description="η_raw: the stationary point of Eq. (23) (Proposition 1, the paper) or the minimiser "
+        "of the mean-field cost β p̄ log p̄ + (1 − β) η² on [0, η_max] (not in paper; differs where "
+        "1 + cG < 0, where the cost is not convex in η)",
+    )
+    fallback: Literal["root", "keep"] = Field(
+        "root",
+        description="singular / non-converged closed form: smallest root of Eq. (23) on [0, η_max] "
+        "(not in paper) or keep η_i(t−1), skipping the EMA update (more conservative)",
+    )
+    grad_bound: float | None = Field(
+        None,
+        gt=0.0,
+        description="D of Assumption 1 for the optional Eq. (18) clip, e.g. Table II (40 MNIST, 6770 "
+        "EMNIST-L, 57 CIFAR10, 79 CIFAR100); None: no clip (the bound is not rigorous when p̄ < e^−3)",
+    )
+    phi2_estimator: Literal["fixed_point", "global_norm"] = Field(
+        "fixed_point",
+        description="φ2(t+1): the scalar fixed point of Eq. (28) over the previous round's reported "
+        "statistics (the scalar step of Algorithm 1), or ‖w(t)‖², the fixed point when every "
+        "client's step is 0",
+    )
+    phi2_tol: float = Field(
+        1e-3, gt=0.0, description="ε2 of Algorithm 1 for the φ2 fixed point (source: paper §4.3, 1e-3)"
+    )
+
+
 @ALGORITHMS.register("fedent")
 class FedEnt(Algorithm):
     """FedEnt (Zheng et al. 2024): per-client, per-round learning rate from the entropy mean-field control."""
@@ -123,40 +159,8 @@ class FedEnt(Algorithm):
     vectorizable = True
     loss_reads = frozenset()
 
-    class Params(RateParams):
-        eq24: Literal["consistent", "printed"] = Field(
-            "consistent",
-            description="closed form η = c s / (1 + c‖g‖²) (algebra of Eq. 23) or Eq. (24) as "
-            "printed, with ‖g‖ in place of ‖g‖² (ablation)",
-        )
-        solver: Literal["stationary", "minimiser"] = Field(
-            "stationary",
-            description="η_raw: the stationary point of Eq. (23) (Proposition 1, the paper) or the minimiser "
-            "of the mean-field cost β p̄ log p̄ + (1 − β) η² on [0, η_max] (not in paper; differs where "
-            "1 + cG < 0, where the cost is not convex in η)",
-        )
-        fallback: Literal["root", "keep"] = Field(
-            "root",
-            description="singular / non-converged closed form: smallest root of Eq. (23) on [0, η_max] "
-            "(not in paper) or keep η_i(t−1), skipping the EMA update (more conservative)",
-        )
-        grad_bound: float | None = Field(
-            None,
-            gt=0.0,
-            description="D of Assumption 1 for the optional Eq. (18) clip, e.g. Table II (40 MNIST, 6770 "
-            "EMNIST-L, 57 CIFAR10, 79 CIFAR100); None: no clip (the bound is not rigorous when p̄ < e^−3)",
-        )
-        phi2_estimator: Literal["fixed_point", "global_norm"] = Field(
-            "fixed_point",
-            description="φ2(t+1): the scalar fixed point of Eq. (28) over the previous round's reported "
-            "statistics (the scalar step of Algorithm 1), or ‖w(t)‖², the fixed point when every "
-            "client's step is 0",
-        )
-        phi2_tol: float = Field(
-            1e-3, gt=0.0, description="ε2 of Algorithm 1 for the φ2 fixed point (source: paper §4.3, 1e-3)"
-        )
-
-    p: Params
+    Params = FedEntParams
+    p: FedEntParams
     #: upload values the server needs (counted as communicated); the other probe statistics are metrics
     upload_config: ClassVar[tuple[str, ...]] = ("eta", "s", "G")
 

@@ -170,6 +170,18 @@ def _few_shot_validation(
     return [pool[v] for v in val]
 
 
+def _check_no_empty_client(parts: list[np.ndarray], partition: Mapping[str, Any]) -> None:
+    """Clients without training samples are allowed only where the partition asks for them (``min_size:
+    0``: cross-device federations where many devices hold nothing)."""
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty and partition.get("min_size") != 0:
+        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        raise DataError(
+            f"partition {dict(partition)} left {len(empty)} client(s) without training samples ({shown}); "
+            "use fewer clients or a partition option such as min_size"
+        )
+
+
 def build_federated(
     dataset: Dataset,
     num_clients: int,
@@ -214,13 +226,7 @@ def build_federated(
         partition, labels[subset], num_clients, seed, num_classes=dataset.num_classes, domains=sub_domains
     )
     parts = [subset[p] for p in parts]
-    empty = [i for i, p in enumerate(parts) if len(p) == 0]
-    if empty and partition.get("min_size") != 0:
-        shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
-        raise DataError(
-            f"partition {dict(partition)} left {len(empty)} client(s) without training samples ({shown}); "
-            "use fewer clients or a partition option such as min_size"
-        )
+    _check_no_empty_client(parts, partition)
 
     test_parts, info = _personal_tests(dataset, labels, domains, parts, seed, dict(test or {}))
     if val_shots is None:

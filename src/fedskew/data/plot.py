@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -19,6 +20,14 @@ from fedskew.data.federated import FederatedData
 
 #: annotate heatmap cells with their counts when the grid is at most this many cells
 _ANNOTATE_CELLS = 200
+
+
+def _annotate(ax: Any, counts: np.ndarray) -> None:
+    """Write each non-empty cell's count on it (at most ``_ANNOTATE_CELLS`` labels)."""
+    hi = counts.max(initial=0)
+    for i, c in zip(*np.nonzero(counts), strict=True):
+        color = "black" if counts[i, c] > 0.6 * hi else "white"
+        ax.text(c, i, str(counts[i, c]), ha="center", va="center", fontsize=7, color=color)
 
 
 def plot_partition(fd: FederatedData, path: str | os.PathLike, *, title: str | None = None) -> Path:
@@ -48,17 +57,7 @@ def plot_partition(fd: FederatedData, path: str | os.PathLike, *, title: str | N
     )
     ax.set_facecolor("white")
     if n_clients * n_classes <= _ANNOTATE_CELLS:
-        hi = counts.max(initial=0)
-        for i, c in zip(*np.nonzero(counts), strict=True):  # at most _ANNOTATE_CELLS labels
-            ax.text(
-                c,
-                i,
-                str(counts[i, c]),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="black" if counts[i, c] > 0.6 * hi else "white",
-            )
+        _annotate(ax, counts)
     ax.set_xlabel("class")
     ax.set_ylabel("client")
     ax.xaxis.set_major_locator(MaxNLocator(nbins=min(n_classes, 20), integer=True))

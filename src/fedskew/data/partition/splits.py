@@ -123,6 +123,10 @@ def _shared_draws(
     return [np.sort(np.concatenate([p, *e])) if e else p for p, e in zip(parts, extra, strict=True)]
 
 
+#: the ``info`` of ``whole=True``: every client shares the whole test set
+_WHOLE_INFO: dict[str, Any] = {"fraction": None, "rule": "whole", "disjoint": False}
+
+
 def client_test_split(
     train_labels_per_client: Sequence[np.ndarray],
     test_labels: np.ndarray,
@@ -168,8 +172,7 @@ def client_test_split(
         raise ConfigError("data.test: set at most one of per_class, fraction, size, whole")
     if whole:
         everything = np.arange(len(y_test), dtype=np.int64)
-        info_whole = {"fraction": None, "rule": "whole", "disjoint": False, "shared_classes": []}
-        return [everything.copy() for _ in train], info_whole
+        return [everything.copy() for _ in train], {**_WHOLE_INFO, "shared_classes": []}
     K = D * C
     owner_train = np.repeat(np.arange(N), [len(t) for t in train])
     flat_keys = np.concatenate(train_keys) if train_keys else np.zeros(0, np.int64)
