@@ -23,6 +23,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	# the type checker over src/ (settings: pyproject's [tool.mypy])
+	$(BIN)/python -m mypy src/fedskew
 	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
 
 # Flower's Ray simulation of the listed methods and the CLI's loopback deployment (~3 minutes of start-ups);

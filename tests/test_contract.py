@@ -51,7 +51,7 @@ def tiny_config(name: str, rounds: int = 2, **engine: Any) -> dict:
     if alg.vision_language:  # runs on frozen-backbone features: a feature world
         cfg["data"]["vision_language"] = VL_WORLD
         cfg["model"] = {"name": "identity"}
-    if name == "fedrep":  # keep the head phase short
+    if "head_epochs" in alg.Params.model_fields:  # a head-then-body method: keep the head phase short
         cfg["algorithm"]["head_epochs"] = 1
     return cfg
 

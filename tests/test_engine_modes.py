@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedskew.algorithms import ALGORITHMS
 from fedskew.algorithms.fedavg import FedAvg
 from fedskew.engine import modes
 from fedskew.engine.evaluation import EVAL_BATCH
@@ -37,7 +38,7 @@ def worker_config(alg: str, workers: int, rounds: int = 2, mode: str = "sequenti
         data={"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}},
         client={"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5, "fraction": 0.67, **client},
     )
-    if alg in ("fedproto", "local"):  # no global model
+    if ALGORITHMS.get(alg).personalized_eval:  # personal models (FedProto, local): evaluated per client
         cfg["eval"] = {"protocol": "personalized", "every": 1}
     return cfg
 

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from fedskew.errors import FedskewError, RunFailure
+
+if TYPE_CHECKING:
+    from fedskew.experiment.sweep import SweepListener
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under non-IID data.")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect datasets and partitions.")
@@ -70,7 +73,7 @@ def run_with_progress(cfg: Any, out: Path | None, resume: bool, force: bool, lab
             if not first:
                 first.append(sim.round - 1)
             done = sim.round - first[0]
-            fields = {"spr": f"{(time.perf_counter() - start) / max(done, 1):.2f}"}
+            fields: dict[str, Any] = {"spr": f"{(time.perf_counter() - start) / max(done, 1):.2f}"}
             if record is not None:
                 fields["acc"] = f"{100 * record['accuracy']:.2f}%"
             progress.update(task, completed=sim.round, **fields)
@@ -202,7 +205,8 @@ def sweep(
     )
     try:
         with progress:
-            outcome = run_sweep(runs, jobs, threads, SweepDisplay(progress, runs))
+            # SweepDisplay has every SweepListener method (not a subclass: sweep is imported lazily)
+            outcome = run_sweep(runs, jobs, threads, cast("SweepListener", SweepDisplay(progress, runs)))
     except KeyboardInterrupt:  # a Ctrl-C after the runs had already stopped
         outcome = None
     if outcome is None or outcome.interrupted:

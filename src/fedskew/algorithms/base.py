@@ -37,9 +37,9 @@ loadable types and ship it over Flower. See docs/design.md for the round transac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -275,7 +275,7 @@ def sample_weights(uploads: list[Upload]) -> Tensor:
     return n / total if total > 0 else torch.full_like(n, 1.0 / len(n))
 
 
-def weighted_average(states: list[Mapping[str, Tensor]], weights: Tensor) -> dict[str, Tensor]:
+def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Tensor) -> dict[str, Tensor]:
     """``sum_k w_k * state_k`` for every entry; integer buffers (BatchNorm counters) are rounded back.
 
     Floating entries accumulate in place in their own dtype (no stacked float64 copy of every model).
@@ -289,7 +289,7 @@ def weighted_average(states: list[Mapping[str, Tensor]], weights: Tensor) -> dic
                 acc.add_(s[key], alpha=wk)
             out[key] = acc
         else:
-            avg = sum(float(wk) * s[key].double() for s, wk in zip(states, w, strict=True))
+            avg = cast(Tensor, sum(float(wk) * s[key].double() for s, wk in zip(states, w, strict=True)))
             out[key] = avg.round().to(ref.dtype)
     return out
 

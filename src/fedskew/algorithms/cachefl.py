@@ -80,6 +80,9 @@ def cache_gradient(
 class CacheModel(nn.Module):
     """The cache classifier (Eq. 7): ``keys`` (W1ᵀ) is the only parameter; W2ᵀ and W_text are buffers."""
 
+    values: Tensor
+    text: Tensor
+
     def __init__(self, keys: Tensor, labels: Tensor, text: Tensor, alpha: float, beta: float, scale: float):
         super().__init__()
         self.keys = nn.Parameter(keys.clone())

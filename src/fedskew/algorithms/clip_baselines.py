@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -23,6 +25,9 @@ from fedskew.algorithms.base import ALGORITHMS, HyperParams
 from fedskew.algorithms.vision_language import TextHead, UntrainedMethod, VisionLanguageMethod, vl_assets
 from fedskew.errors import ConfigError
 from fedskew.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from fedskew.models.backbones.open_clip_backbone import PromptTextEncoder
 
 _ADAPTER_INIT_KEY = 0xADA9  # the adapter's initial weights: from the run's seed, the same on every process
 _PROMPT_INIT_KEY = 0xC00F  # the context vectors' initial values
@@ -46,6 +51,8 @@ class ZeroShot(UntrainedMethod):
 
 class AdapterModel(nn.Module):
     """CLIP-Adapter head: bottleneck ``C → C/r → C`` with two ReLUs, residual ratio ρ, zero-shot head."""
+
+    text: Tensor
 
     def __init__(self, text: Tensor, reduction: int, ratio: float, scale: float, seed: int) -> None:
         super().__init__()
@@ -86,7 +93,7 @@ class AdapterFL(VisionLanguageMethod):
 class PromptModel(nn.Module):
     """CoOp head: the context ``ctx`` (trained) through the frozen text tower gives W_text (Eq. 5)."""
 
-    def __init__(self, encoder: nn.Module, n_ctx: int, scale: float, seed: int) -> None:
+    def __init__(self, encoder: PromptTextEncoder, n_ctx: int, scale: float, seed: int) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.ctx = nn.Parameter(0.02 * torch.randn(n_ctx, encoder.width, generator=g))  # CoOp's init std

@@ -392,7 +392,9 @@ class FedNorm(FedEnt):
             "w(t−1) − w(t), broadcast as a vector (not in paper: a non-degenerate estimate)",
         )
 
-    p: Params
+    # not a FedEnt.Params (both extend RateParams): the inherited hooks read FedEnt's own fields only on
+    # paths FedNorm overrides (estimators, raw_eta) or never takes (start_local's fallback: closed form only)
+    p: Params  # type: ignore[assignment]
     upload_config: ClassVar[tuple[str, ...]] = ("eta",)
 
     def init_estimators(self, server: State) -> State:

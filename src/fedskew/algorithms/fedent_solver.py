@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -73,8 +74,9 @@ def solve_eta(
     (no root: the side the residual points to). ``K = G`` (the algebra of Eq. 23) or ``√G`` (``printed_eq24``:
     Eq. 24 as printed). ``bound`` is the optional Eq. (18) clip.
     """
-    s, G, X, theta, phi = torch.broadcast_tensors(
-        to_f64(s), to_f64(G), to_f64(X), to_f64(theta), to_f64(phi2_next)
+    s, G, X, theta, phi = cast(  # torch.broadcast_tensors is unannotated
+        "tuple[Tensor, ...]",
+        torch.broadcast_tensors(to_f64(s), to_f64(G), to_f64(X), to_f64(theta), to_f64(phi2_next)),
     )
     phi = phi.clamp_min(PHI_FLOOR)
     hi = torch.full_like(s, float(eta_max))
@@ -189,10 +191,13 @@ def minimise_cost(
     not convex in ``η`` where ``1 + c G < 0``: there the root can be a maximum and the minimum sits on
     the boundary. Grid search over ``n_grid + 1`` points, then golden-section refinement in the bracket
     around the best grid point (the smallest ``η`` among ties)."""
-    s, G, X, theta, phi, hi = torch.broadcast_tensors(
-        to_f64(s), to_f64(G), to_f64(X), to_f64(theta), to_f64(phi2_next).clamp_min(PHI_FLOOR), to_f64(hi)
+    s, G, X, theta, phi, hi = cast(  # torch.broadcast_tensors is unannotated
+        "tuple[Tensor, ...]",
+        torch.broadcast_tensors(
+            to_f64(s), to_f64(G), to_f64(X), to_f64(theta), to_f64(phi2_next).clamp_min(PHI_FLOOR), to_f64(hi)
+        ),
     )
-    args = [t.reshape(-1, 1) for t in (X, s, G, theta, phi)]
+    args = (X.reshape(-1, 1), s.reshape(-1, 1), G.reshape(-1, 1), theta.reshape(-1, 1), phi.reshape(-1, 1))
     top = hi.reshape(-1, 1)
     grid = top * torch.linspace(0.0, 1.0, n_grid + 1, dtype=F64)  # [m, n_grid + 1]
     best = mean_field_cost(grid, *args, beta).argmin(1, keepdim=True)

@@ -46,7 +46,7 @@ taken from the authors' reference code (function named) and matches the paper's 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -282,7 +282,7 @@ class FedNH(Algorithm):
         return {"protos": step.payload.arrays["protos"].to(step.client.x.device)}
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
-        z = step.model.features(batch.x)
+        z = cast(FedModel, step.model).features(batch.x)
         return F.cross_entropy(cosine_logits(z, step.scratch["protos"], getattr(step.model, SCALE)), batch.y)
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
@@ -291,7 +291,7 @@ class FedNH(Algorithm):
         model, client = step.model, step.client
         was_training = model.training
         model.eval()
-        z = F.normalize(embed_in_chunks(model.features, client.x), dim=1)
+        z = F.normalize(embed_in_chunks(cast(FedModel, model).features, client.x), dim=1)
         model.train(was_training)
         table, counts = class_means(z, client.y, self.ctx.num_classes)
         if self.p.normalize_means:
@@ -311,6 +311,6 @@ class FedNH(Algorithm):
         self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
     ) -> dict[str, Tensor]:
         """``logits = s · cos(f(x), μ_c)``: its argmax is the nearest global prototype in angle."""
-        z = model.features(x)
+        z = cast(FedModel, model).features(x)
         scale = payload.arrays["scale"].to(z.device)
         return {"logits": cosine_logits(z, payload.arrays["protos"].to(z.device), scale)}

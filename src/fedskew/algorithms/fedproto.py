@@ -32,7 +32,7 @@ trailing batch of one), exclusion by +∞ distance rather than the code's sentin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ from fedskew.algorithms.protos import (
     pack,
 )
 from fedskew.errors import ConfigError
-from fedskew.models.base import embed_in_chunks
+from fedskew.models.base import FedModel, embed_in_chunks
 
 
 def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, form: str = "sample") -> Tensor:
@@ -195,7 +195,7 @@ class FedProto(Algorithm):
         return scratch
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
-        model, scratch = step.model, step.scratch
+        model, scratch = cast(FedModel, step.model), step.scratch
         h = model.features(batch.x)
         loss = F.cross_entropy(model.head(h), batch.y)  # = NLL of the code's log_softmax outputs
         if batch.last_epoch and "acc_sums" in scratch:
@@ -208,7 +208,7 @@ class FedProto(Algorithm):
 
     def _recompute(self, model: nn.Module, client: ClientView) -> tuple[Tensor, Tensor]:
         model.eval()
-        h = embed_in_chunks(model.features, client.x)
+        h = embed_in_chunks(cast(FedModel, model).features, client.x)
         model.train()
         return class_means(h, client.y, self.ctx.num_classes)
 
@@ -229,6 +229,7 @@ class FedProto(Algorithm):
         self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
     ) -> dict[str, Tensor]:
         """``proto``: nearest received global prototype (Eq. 4, primary); ``logits``: the local classifier."""
-        h = model.features(x)
+        fed_model = cast(FedModel, model)
+        h = fed_model.features(x)
         table, has = self._targets(payload, h.shape[1], h.device)
-        return {"proto": nearest_prototype_scores(h, table, has), "logits": model.head(h)}
+        return {"proto": nearest_prototype_scores(h, table, has), "logits": fed_model.head(h)}

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,7 @@ from fedskew.algorithms.base import (
     model_arrays,
     sample_weights,
 )
+from fedskew.models.base import FedModel
 from fedskew.models.zoo import ResNet
 
 DIAG_KEYS = ("rcl_scl", "rcl_penalty", "rcl_active_pairs", "rcl_pos_sim")
@@ -130,7 +131,7 @@ def level_names(model: nn.Module) -> list[str]:
     relus = _relu_modules(body) if isinstance(body, nn.Module) else []
     if not relus:
         return ["embedding"]
-    names = {id(m): n for n, m in body.named_modules()}
+    names = {id(m): n for n, m in cast(nn.Module, body).named_modules()}  # a Module: it has ReLUs
     return [f"body.{names[id(m)]}" for m in relus]
 
 
@@ -183,15 +184,15 @@ def collect_features(
     that list. Levels of a model without ``nn.ReLU`` modules in its body fall back to ``[z]``.
     """
     if layers == "embedding":
-        z = model.features(x)
+        z = cast(FedModel, model).features(x)
         return z, [z]
     with _capture(model, pre_activation) as levels:
-        z = model.features(x)
+        z = cast(FedModel, model).features(x)
     levels = [pool_feature(h) for h in levels] or [z]
     if layers == "all":
         return z, levels
     try:
-        return z, [levels[i] for i in layers]
+        return z, [levels[i] for i in cast("list[int]", layers)]  # the two names are handled above
     except IndexError:
         raise ValueError(
             f"fedrcl: layers {layers} out of range; the model has {len(levels)} levels "
@@ -258,7 +259,7 @@ class FedRCL(Algorithm):
         return {"diag": torch.zeros(5, dtype=torch.float64, device=step.client.x.device)}
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
-        p, model, scratch = self.p, step.model, step.scratch
+        p, model, scratch = self.p, cast(FedModel, step.model), step.scratch
         if p.beta == 0.0:
             return F.cross_entropy(model(batch.x), batch.y)
         z, levels = collect_features(model, batch.x, p.layers, p.pre_activation)

@@ -286,7 +286,7 @@ class FedSKC(Algorithm):
         stats = {
             key: sum(u.payload.metrics.get(key, 0.0) for u in uploads) / k for key in ("ce", "lcl", "lcl_u")
         }
-        metrics = {
+        metrics: dict[str, float | list[float]] = {
             "gda_weights": [round(float(w), 6) for w in weights],
             "gda_weight_min": float(weights.min()),
             "gda_weight_max": float(weights.max()),

@@ -22,6 +22,7 @@ Deviations / choices:
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from fedskew.algorithms.base import (
     clone_state,
     load_state,
 )
+from fedskew.models.base import FedModel
 
 
 def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float) -> Tensor:
@@ -102,7 +104,7 @@ class Moon(Algorithm):
         return LocalPlan(plan.phases, derived={"references": (global_net, prev_net)})
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
-        model = step.model
+        model = cast(FedModel, step.model)
         z = model.features(batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)
         if "prev" not in step.state or self.p.mu == 0.0:  # first participation: see the module docstring

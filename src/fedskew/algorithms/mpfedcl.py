@@ -28,7 +28,7 @@ global``, ``eval_pool: padded``, ``padding: fill``, ``loss_form: pooled`` (SupCo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ from fedskew.algorithms.base import (
     server_arrays,
 )
 from fedskew.algorithms.protos import class_sums, kmeans, nearest_prototype_scores
-from fedskew.models.base import embed_in_chunks
+from fedskew.models.base import FedModel, embed_in_chunks
 
 CLUSTER_KEY = 0x4D50  # seed stream of the client-side clustering ("MP")
 
@@ -280,7 +280,7 @@ class MPFedCL(Algorithm):
 
     # ---------------------------------------------------------------- client
     def _embed(self, model: nn.Module, x: Tensor) -> Tensor:
-        z = model.features(x)
+        z = cast(FedModel, model).features(x)
         return F.normalize(z, dim=1) if self.p.normalize else z
 
     def _pool(self, payload: Payload, device: torch.device) -> tuple[Tensor, Tensor] | None:
@@ -307,7 +307,7 @@ class MPFedCL(Algorithm):
         return scratch
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
-        model, scratch = step.model, step.scratch
+        model, scratch = cast(FedModel, step.model), step.scratch
         z = self._embed(model, batch.x)
         loss = F.cross_entropy(model.head(z), batch.y)  # L_S (Eq. 1-2)
         if batch.last_epoch and "filled" in scratch:
@@ -374,11 +374,11 @@ class MPFedCL(Algorithm):
             table, mask = class_table(protos, classes, self.ctx.num_classes)
             scores = nearest_prototype_scores(z, table, mask)
         else:
-            pool, present = self._pool(payload, z.device)
+            pool, present = cast("tuple[Tensor, Tensor]", self._pool(payload, z.device))  # non-empty pool
             table = pool.transpose(0, 1).reshape(self.ctx.num_classes, -1, pool.shape[-1])
             mask = present[:, None].expand(-1, table.shape[1])
             scores = nearest_prototype_scores(z, table, mask)
-        return {"proto": scores, "logits": model.head(z)}
+        return {"proto": scores, "logits": cast(FedModel, model).head(z)}
 
 
 @ALGORITHMS.register("spfedcl")

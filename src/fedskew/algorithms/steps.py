@@ -109,7 +109,7 @@ class ServerUpdate:
     ``metrics.jsonl`` on evaluated rounds; never kept in state)."""
 
     state: State
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float | list[float]] = field(default_factory=dict)
 
 
 class Scratch(Mapping[str, Tensor]):
@@ -120,6 +120,7 @@ class Scratch(Mapping[str, Tensor]):
     tensors themselves may be accumulated into in place (FedProto's last-epoch prototype sums)."""
 
     __slots__ = ("_items",)
+    _items: dict[str, Tensor]
 
     def __init__(self, items: Mapping[str, Tensor] | None = None) -> None:
         object.__setattr__(self, "_items", dict(items or {}))

@@ -115,6 +115,8 @@ def zero_shot_logits(f: Tensor, text: Tensor, scale: float) -> Tensor:
 class TextHead(nn.Module):
     """Zero-shot classifier: ``s · f W_textᵀ`` (Eq. 5); W_text is a frozen buffer."""
 
+    text: Tensor
+
     def __init__(self, text: Tensor, scale: float) -> None:
         super().__init__()
         self.register_buffer("text", text)

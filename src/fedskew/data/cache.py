@@ -42,7 +42,7 @@ def derived_dir(source: str | os.PathLike, *parts: str) -> Path:
     return cache_root().joinpath(SOURCES, f"{name}-{digest}", *parts)
 
 
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> bool:
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> bool:
     """``write`` into a temporary file renamed onto ``path``; ``False`` (nothing left) where unwritable."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

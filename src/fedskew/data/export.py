@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from fedskew.data.federated import FederatedData
 
@@ -21,7 +24,7 @@ def partition_indices(fd: FederatedData) -> dict[str, Any]:
     ``train`` / ``val`` index the training split, ``test`` the test split (the client's personalized test
     set); ``partition``, ``seed`` and ``num_clients`` record how they were drawn.
     """
-    val = fd.val_idx or [None] * fd.num_clients
+    val: Sequence[Tensor | None] = fd.val_idx or [None] * fd.num_clients
     clients = [
         {"train": t.tolist(), "val": [] if v is None else v.tolist(), "test": s.tolist()}
         for t, v, s in zip(fd.train_idx, val, fd.test_idx, strict=True)

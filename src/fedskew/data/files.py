@@ -138,10 +138,10 @@ def _extract(archive: Path, spec: DatasetFiles, root: Path) -> None:
                 for m in tf:
                     if m.isfile() and (dest := target(m.name)) is not None:
                         dest.parent.mkdir(parents=True, exist_ok=True)
-                        src = tf.extractfile(m)
-                        assert src is not None  # a regular file member always has a stream
-                        with src, open(dest, "wb") as out:
-                            shutil.copyfileobj(src, out, _CHUNK)
+                        stream = tf.extractfile(m)
+                        assert stream is not None  # a regular file member always has a stream
+                        with stream, open(dest, "wb") as out:
+                            shutil.copyfileobj(stream, out, _CHUNK)
     except (OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, zlib.error) as err:
         raise DataError(f"cannot extract {archive}: {err}") from None
 

@@ -132,8 +132,9 @@ def listing_key(paths: Sequence[Path], *options: object) -> str:
 
 def _load_cache(path: Path, n: int, mode: str) -> Tensor | None:
     x = load_saved(path)
-    ok = isinstance(x, Tensor) and x.dtype == torch.uint8 and x.dim() == 4
-    return x if ok and x.shape[0] == n and x.shape[1] == CHANNELS[mode] else None
+    if not (isinstance(x, Tensor) and x.dtype == torch.uint8 and x.dim() == 4):
+        return None
+    return x if x.shape[0] == n and x.shape[1] == CHANNELS[mode] else None
 
 
 def cached_images(

@@ -96,7 +96,7 @@ def summarize(
         out[key] = float(accs.mean())
         out[key + "_std"] = float(accs.std(unbiased=False)) if accs.numel() > 1 else 0.0
         if has is not None and i == 0:  # per-client accuracies of the primary head (spread analyses)
-            out["accuracy_clients"] = [  # type: ignore[assignment]
+            out["accuracy_clients"] = [
                 round(float(a), 6) if h else None for a, h in zip(every, has.tolist(), strict=True)
             ]
     out["loss"] = loss

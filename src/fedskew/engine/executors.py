@@ -36,7 +36,8 @@ log = logging.getLogger("fedskew.engine")
 class Executor(Protocol):
     """Trains a round's clients; outcomes in ``job.cids`` order. Commits nothing."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def train(self, job: RoundJob) -> list[ClientOutcome]: ...
 

@@ -98,7 +98,7 @@ class ModelCache:
         """A new model for ``cid`` on the device, in the engine's memory format (values unchanged)."""
         model = self.factory(cid).to(self.device)
         if self.memory_format == "channels_last" and any(isinstance(m, nn.Conv2d) for m in model.modules()):
-            model = model.to(memory_format=torch.channels_last)
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stub lacks it
         return self.prepare(model)
 
     def initial(self, cid: int | None) -> nn.Module:

@@ -209,7 +209,7 @@ class SpillingStates:
         try:
             # torch's zip writer checksums every record; the file is written once and read back by this run
             # only, so the checksum (4x the cost of the write, measured) is skipped
-            with torch.utils.serialization.config.patch({"save.compute_crc32": False}):
+            with torch.utils.serialization.config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
                 torch.save(state, tmp)
             os.replace(tmp, path)
         except BaseException:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -152,7 +152,11 @@ def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[s
 def _description(model: type[BaseModel], path: tuple[str | int, ...]) -> str:
     cur: Any = model
     for part in path:
-        field = cur.model_fields.get(part) if isinstance(part, str) and isinstance(cur, type) else None
+        field = (
+            cast("type[BaseModel]", cur).model_fields.get(part)  # a model class where the path continues
+            if isinstance(part, str) and isinstance(cur, type)
+            else None
+        )
         if field is None:
             return ""
         cur = field.annotation

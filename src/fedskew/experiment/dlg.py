@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,7 @@ def dlg_attack(
     def closure() -> Tensor:
         opt.zero_grad()
         grads = target_gradient(target, dummy, dummy_label.softmax(-1), create_graph=True)
-        dist = sum(((a - b) ** 2).sum() for a, b in zip(grads, observed, strict=True))
+        dist = cast(Tensor, sum(((a - b) ** 2).sum() for a, b in zip(grads, observed, strict=True)))
         dist.backward()
         last[0] = float(dist.detach())
         return dist

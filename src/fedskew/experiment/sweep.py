@@ -212,7 +212,8 @@ def plan_sweep(
     points = list(itertools.product(*[[(k, v) for v in vals] for k, vals in axes]))
     runs: list[PlannedRun] = []
     owners: dict[Path, PlannedRun] = {}
-    for seed in seeds or [None]:
+    seed_list: Sequence[int | None] = seeds or [None]
+    for seed in seed_list:
         for path in map(Path, configs):
             for point in points:
                 run = _plan_one(path, Path(out), point, seed, sets, name)

@@ -14,7 +14,7 @@ import os
 import queue
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -98,7 +98,7 @@ class _Pool:
         self.todo, self.listener, self.outcome = todo, listener, outcome
         self.pids: dict[int, int] = {}  # run index -> pid of the worker running it
         self.stopping = False
-        self.handlers = {"started": self._started, "round": self._round}
+        self.handlers: dict[str, Callable[..., None]] = {"started": self._started, "round": self._round}
 
     def run(self, jobs: int, threads: int) -> None:
         ctx = mp.get_context("spawn")  # fork is unsafe once torch has started its thread pools

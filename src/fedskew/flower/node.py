@@ -36,7 +36,7 @@ from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
 from fedskew.experiment.build import build_algorithm, build_data
 from fedskew.experiment.config import Config, build_config
-from fedskew.flower.records import get_payload, put_payload, state_from_bytes, state_to_bytes
+from fedskew.flower.records import config, get_payload, put_payload, state_from_bytes, state_to_bytes
 from fedskew.flower.versions import Versions, versions_of
 
 log = logging.getLogger("fedskew.flower")
@@ -183,7 +183,7 @@ def _owned(node: NodeRuntime, cids: list[int]) -> None:
 def handle_train(content: RecordDict, context: Context) -> RecordDict:
     """Train the message's clients from their payloads and referenced states; reply with the uploads."""
     started = time.perf_counter()
-    job = content["job"]
+    job = config(content, "job")
     node, built = timed_node_runtime(str(job["config"]), context)
     r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
@@ -225,7 +225,7 @@ def _stats(node: NodeRuntime, cid: int, payload: Payload, state: State, x: Any, 
 def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
     """Score the message's clients' personal models on their test (and validation) splits; reply with the
     per-client counts of correct predictions per head and loss sums."""
-    job = content["job"]
+    job = config(content, "job")
     node = node_runtime(str(job["config"]), context)
     cids, refs = [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)

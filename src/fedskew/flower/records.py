@@ -9,7 +9,8 @@ loads with ``allow_pickle=False``. Client states never leave their node: they ar
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -24,12 +25,23 @@ def put_payload(rd: RecordDict, key: str, payload: Payload) -> None:
     rd[f"{key}.m"] = MetricRecord({k: float(v) for k, v in payload.metrics.items()})
 
 
+def config(rd: RecordDict, key: str) -> Mapping[str, Any]:
+    """The config record ``key`` of ``rd``, its values as the sender wrote them (Flower types every value
+    as the union of all the types a record may hold; fedskew's own messages fix each key's type)."""
+    return cast(Mapping[str, Any], rd.config_records[key])
+
+
+def arrays(rd: RecordDict, key: str) -> ArrayRecord:
+    """The array record ``key`` of ``rd``."""
+    return rd.array_records[key]
+
+
 def get_payload(rd: RecordDict, key: str, device: torch.device | str = "cpu") -> Payload:
     """The payload :func:`put_payload` stored under ``key``, arrays on ``device``."""
-    arrays = {k: v.to(device) for k, v in rd[f"{key}.a"].to_torch_state_dict().items()}
-    config = {k: float(v) for k, v in rd[f"{key}.c"].items()}
-    metrics = {k: float(v) for k, v in rd[f"{key}.m"].items()}
-    return Payload(arrays=arrays, config=config, metrics=metrics)
+    tensors = {k: v.to(device) for k, v in arrays(rd, f"{key}.a").to_torch_state_dict().items()}
+    values = {k: float(v) for k, v in config(rd, f"{key}.c").items()}
+    metrics = {k: float(v) for k, v in cast(Mapping[str, Any], rd.metric_records[f"{key}.m"]).items()}
+    return Payload(arrays=tensors, config=values, metrics=metrics)
 
 
 def state_to_bytes(state: State) -> bytes:

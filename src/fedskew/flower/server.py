@@ -48,7 +48,7 @@ from fedskew.errors import FedskewError
 from fedskew.experiment.build import build_algorithm, build_data, evaluator, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
-from fedskew.flower.records import get_payload, put_payload
+from fedskew.flower.records import arrays, config, get_payload, put_payload
 
 log = logging.getLogger("fedskew.flower")
 
@@ -125,7 +125,7 @@ class NodeMap:
         }
         for node_id, reply in exchange(self.grid, query, self.timeout).items():
             if reply.has_content() and "node" in reply.content:
-                self.index[int(reply.content["node"]["index"])] = node_id
+                self.index[int(config(reply.content, "node")["index"])] = node_id
                 self.known.add(node_id)
 
     def wait_all(self) -> None:
@@ -244,7 +244,7 @@ class FlowerExecutor:
             "seconds_exchange": seconds,
         }
         for key in ("seconds_process", "seconds_build", "seconds_handler"):
-            values = [float(m.content["job"][key]) for m in ok if key in m.content["job"]]
+            values = [float(config(m.content, "job")[key]) for m in ok if key in config(m.content, "job")]
             row[f"node_{key}"] = max(values) if values and not any(map(math.isnan, values)) else None
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -263,7 +263,7 @@ class FlowerExecutor:
             what = f"round {r}: clients {cids} failed on their node: {reply.error.reason}"
             client_raised(self.cfg.engine.on_client_error, what)
             return out
-        info = reply.content["job"]
+        info = config(reply.content, "job")
         for cid, loss, n in zip(info["accepted"], info["loss"], info["samples"], strict=True):
             payload = get_payload(reply.content, f"u.{cid}", self.device)
             if not finite_upload(payload, r, int(cid)):
@@ -310,8 +310,8 @@ class FlowerEvaluator:
             reply = replies.get(node)
             if reply is None or reply.has_error():
                 raise FedskewError(f"round {round_idx}: node of clients {cs} did not return its evaluation")
-            rows.update(reply.content["scores"].to_torch_state_dict())
-            heads = heads or list(reply.content["job"]["heads"])
+            rows.update(arrays(reply.content, "scores").to_torch_state_dict())
+            heads = heads or list(config(reply.content, "job")["heads"])
         out = self.combine(rows, "test", self.test_sizes, heads)
         if sum(self.val_sizes):
             val = self.combine(rows, "val", self.val_sizes, heads)

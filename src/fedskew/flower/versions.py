@@ -16,6 +16,8 @@ from typing import Protocol
 
 from flwr.app import ConfigRecord, Context
 
+from fedskew.flower.records import config
+
 #: node-config key: a folder where the node keeps client states across Flower runs and restarts
 STATE_DIR_KEY = "state-dir"
 STATE_PREFIX = "fedskew.state."  # Context.state key prefix of a client's versions
@@ -39,18 +41,21 @@ class ContextVersions:
         self.context = context
 
     def get(self, cid: int, version: int) -> bytes | None:
-        versions = self.context.state.get(STATE_PREFIX + str(cid))
-        return None if versions is None or str(version) not in versions else bytes(versions[str(version)])
+        key = STATE_PREFIX + str(cid)
+        if key not in self.context.state.config_records:
+            return None
+        versions = config(self.context.state, key)
+        return bytes(versions[str(version)]) if str(version) in versions else None
 
     def put(self, cid: int, version: int, blob: bytes) -> None:
         key = STATE_PREFIX + str(cid)
-        versions = self.context.state.get(key) or ConfigRecord()
+        versions = self.context.state.config_records.get(key) or ConfigRecord()
         versions[str(version)] = blob
         self.context.state[key] = versions
 
     def floor(self, cid: int) -> int:
         key = FLOOR_PREFIX + str(cid)
-        return int(self.context.state[key]["v"]) if key in self.context.state else 0
+        return int(config(self.context.state, key)["v"]) if key in self.context.state else 0
 
     def set_floor(self, cid: int, floor: int) -> None:
         self.context.state[FLOOR_PREFIX + str(cid)] = ConfigRecord({"v": floor})

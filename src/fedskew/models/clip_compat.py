@@ -35,6 +35,11 @@ TESTED_OPEN_CLIP = "3.3."
 class FrozenBatchNorm2d(nn.Module):
     """BatchNorm2d with fixed statistics and affine parameters (all buffers), as torchvision's."""
 
+    weight: Tensor
+    bias: Tensor
+    running_mean: Tensor
+    running_var: Tensor
+
     def __init__(self, num_features: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps

@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fedskew.data.base import Dataset
 from fedskew.errors import ConfigError
-from fedskew.models.base import MODELS, embed_in_chunks
+from fedskew.models.base import MODELS, FedModel, embed_in_chunks
 
 HEAD_PREFIXES = ("fc.", "classifier.")  # the encoder's own classifier is not part of the features
 
 
 def load_frozen_encoder(
     name: str, in_shape: tuple[int, ...], weights: Path, options: dict[str, Any] | None = None
-) -> nn.Module:
+) -> FedModel:
     """Model ``name`` with the encoder weights of ``weights`` (classifier ignored), frozen, in eval mode."""
     if not weights.is_file():
         raise ConfigError(f"data.frozen_encoder.weights: file not found: {weights} (a {name} state_dict)")
@@ -53,7 +53,7 @@ def load_frozen_encoder(
     return model.eval()
 
 
-def encode(encoder: nn.Module, dataset: Dataset, x: Tensor, batch_size: int, device: str) -> Tensor:
+def encode(encoder: FedModel, dataset: Dataset, x: Tensor, batch_size: int, device: str) -> Tensor:
     """``encoder.features`` of every sample of ``x`` (normalised as the dataset defines), on ``device``."""
     encoder = encoder.to(device)
     if x.shape[0] == 0:

@@ -108,8 +108,12 @@ def read_pickle_names(path: str | os.PathLike, key: str) -> list[str] | None:
 
 
 def _dataset(
-    name: str, arrays: tuple[np.ndarray, ...], num_classes: int, norm: tuple, classes: list[str] | None
-):
+    name: str,
+    arrays: tuple[np.ndarray, ...],
+    num_classes: int,
+    norm: tuple[tuple[float, ...], tuple[float, ...]],
+    classes: list[str] | None,
+) -> Dataset:
     xtr, ytr, xte, yte = (torch.from_numpy(a) for a in arrays)
     return Dataset(name, xtr, ytr, xte, yte, num_classes, *norm, classes=classes)
 

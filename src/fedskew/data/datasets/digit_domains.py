@@ -246,7 +246,12 @@ def load_digit_domains(
         )
     if train_per_domain < 10 or test_per_domain < 10 or size < 8:
         raise ConfigError("digit_domains: train_per_domain and test_per_domain must be >= 10 and size >= 8")
-    xs_tr, ys_tr, ds_tr, xs_te, ys_te, ds_te = [], [], [], [], [], []
+    xs_tr: list[Tensor] = []
+    ys_tr: list[Tensor] = []
+    ds_tr: list[Tensor] = []
+    xs_te: list[Tensor] = []
+    ys_te: list[Tensor] = []
+    ds_te: list[Tensor] = []
     for d_i, name in enumerate(domains):
         build = _BUILDERS[name]
         # one stream per (seed, domain, split): adding a domain never changes the others

@@ -90,7 +90,9 @@ def _check_options(spec: DomainFolders, chosen: list[str], size: int, train_frac
         raise ConfigError(f"dataset '{spec.name}': size must be a positive pixel count, got {size}")
 
 
-def _collect(spec: DomainFolders, base: Path, chosen: list[str]) -> tuple[list[Path], np.ndarray, ...]:
+def _collect(
+    spec: DomainFolders, base: Path, chosen: list[str]
+) -> tuple[list[Path], np.ndarray, np.ndarray, np.ndarray]:
     """(paths, labels, domain ids, split: 1 train / 0 test / -1 undecided) over the chosen domains."""
     paths: list[Path] = []
     labels, dom, split = [], [], []

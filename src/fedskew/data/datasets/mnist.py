@@ -42,7 +42,9 @@ FASHION_NAMES = [
     "Ankle boot",
 ]
 # IDX type byte -> numpy dtype (big-endian), http://yann.lecun.com/exdb/mnist/ "THE IDX FILE FORMAT"
-_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_TYPES: dict[int, type | str] = {
+    0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"
+}  # fmt: skip
 
 
 def idx_files(folder: str, bases: Sequence[str], digests: dict[str, tuple[str, str]]) -> tuple[FileSpec, ...]:

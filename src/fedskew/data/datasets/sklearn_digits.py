@@ -36,7 +36,7 @@ def _split(test_size: int, split_seed: int) -> tuple[Tensor, Tensor, Tensor, Ten
     key = f"digits-sklearn{version('scikit-learn')}-{test_size}-{split_seed}.pt"
     saved = load_saved(cache_root() / key)
     if isinstance(saved, dict) and all(isinstance(saved.get(k), Tensor) for k in _PARTS):
-        return tuple(saved[k] for k in _PARTS)  # type: ignore[return-value]
+        return tuple(saved[k] for k in _PARTS)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -61,5 +61,5 @@ def svhn(root: Path, *, verify: bool = True, download: bool = True) -> Dataset:
     xte, yte = read_svhn_mat(folder / "test_32x32.mat")
     check_labels(ytr, 10, folder / "train_32x32.mat")
     check_labels(yte, 10, folder / "test_32x32.mat")
-    arrays = (torch.from_numpy(a) for a in (xtr, ytr, xte, yte))
-    return Dataset("svhn", *arrays, 10, *SVHN_NORM, classes=list(DIGIT_NAMES))
+    x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in (xtr, ytr, xte, yte))
+    return Dataset("svhn", x_train, y_train, x_test, y_test, 10, *SVHN_NORM, classes=list(DIGIT_NAMES))

@@ -38,10 +38,10 @@ def longtail(
     target = (top * (1.0 / rho) ** (c / max(num_classes - 1, 1))).astype(np.int64)  # LDAM's int() floor
     short = np.flatnonzero(target > sizes)
     if short.size:
-        c = int(short[0])
+        first = int(short[0])
         raise DataError(
-            f"partition 'longtail': class {c} needs {target[c]} samples for n_max={top}, rho={rho} but has "
-            f"{sizes[c]}; lower n_max"
+            f"partition 'longtail': class {first} needs {target[first]} samples for n_max={top}, rho={rho} "
+            f"but has {sizes[first]}; lower n_max"
         )
     rng = make_rng(seed)
     kept = np.flatnonzero(assign_counts(y, target[None], rng) == 0)

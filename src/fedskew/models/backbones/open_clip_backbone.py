@@ -34,6 +34,8 @@ TINY_CLIP = {
     "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
     "text_cfg": {"context_length": 24, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
 }
+#: open_clip's ``CLIP`` (an ``nn.Module``): the package ships no type information, so it is typed ``Any``
+CLIPModel = Any
 
 
 def build_clip(model: str | None, model_config: dict[str, Any] | None) -> nn.Module:
@@ -69,7 +71,7 @@ class OpenCLIPBackbone(Backbone):
 
     seed: int | None = None
 
-    def __init__(self, net: nn.Module, checkpoint: Path | None, name: str, batch_size: int) -> None:
+    def __init__(self, net: CLIPModel, checkpoint: Path | None, name: str, batch_size: int) -> None:
         self.net = net.requires_grad_(False).eval()
         self.checkpoint, self.name, self.batch_size = checkpoint, name, batch_size
         self.embed_dim = int(net.text_projection.shape[1])
@@ -100,7 +102,13 @@ class PromptTextEncoder(nn.Module):
     """The frozen text tower over ``"X … X <class>."`` prompts whose ``n_ctx`` X embeddings are replaced by
     learnable context vectors (CoOp, Zhou et al. 2022: unified context, class token at the end)."""
 
-    def __init__(self, net: nn.Module, tokenizer: Any, class_names: Sequence[str], n_ctx: int) -> None:
+    tokens: Tensor
+    embedded: Tensor
+    positional: Tensor
+    projection: Tensor
+    attn_mask: Tensor
+
+    def __init__(self, net: CLIPModel, tokenizer: Any, class_names: Sequence[str], n_ctx: int) -> None:
         super().__init__()
         placeholder = " ".join(["X"] * n_ctx)
         tokens = tokenizer([f"{placeholder} {n.replace('_', ' ')}." for n in class_names])
