@@ -27,11 +27,11 @@ from tests.test_contract import NAMES, fingerprint, tiny_config
 _REFERENCE: weakref.WeakKeyDictionary[Algorithm, str] = weakref.WeakKeyDictionary()
 
 
-def _modes(name: str) -> list[str]:
+def modes_of(name: str) -> list[str]:
     return ["sequential", "vectorized"] if ALGORITHMS.get(name).vectorizable else ["sequential"]
 
 
-def _protocols(name: str) -> list[str]:
+def protocols_of(name: str) -> list[str]:
     cls = ALGORITHMS.get(name)
     return ["personalized"] if cls.requires_personalized_eval else ["global", "personalized"]
 
@@ -83,7 +83,7 @@ def checked(cls: type[Algorithm]) -> type[Algorithm]:
     return Checked
 
 
-@pytest.mark.parametrize(("name", "mode"), [(n, m) for n in NAMES for m in _modes(n)])
+@pytest.mark.parametrize(("name", "mode"), [(n, m) for n in NAMES for m in modes_of(n)])
 def test_client_hooks_keep_the_rules(name, mode, caplog):
     cls = ALGORITHMS.get(name)
     with ALGORITHMS.replaced(name, checked(cls)):
@@ -118,7 +118,7 @@ def test_the_empty_client_federation_has_empty_clients():
 
 
 @pytest.mark.parametrize(
-    ("name", "protocol", "mode"), [(n, p, m) for n in NAMES for p in _protocols(n) for m in _modes(n)]
+    ("name", "protocol", "mode"), [(n, p, m) for n in NAMES for p in protocols_of(n) for m in modes_of(n)]
 )
 def test_clients_without_training_or_test_data_take_part(name, protocol, mode):
     sim = build_simulation(build_config(empty_client_config(name, protocol, mode)))

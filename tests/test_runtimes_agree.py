@@ -17,7 +17,10 @@ from fedskew.experiment.runner import build_data
 
 pytest.importorskip("flwr")
 
+from fedskew.algorithms import ALGORITHMS
 from tests.flower_loopback import LoopbackGrid
+from tests.test_contract import NAMES
+from tests.test_contract_rules import protocols_of, empty_client_config
 from tests.test_flower import assert_same_metrics, embedded, flower_config, on_flower
 
 TABLE = {
@@ -90,3 +93,19 @@ def test_clients_without_test_samples_are_left_out_alike_on_both_runtimes(name, 
         have = [a for a in accs if a is not None]
         assert record["accuracy"] == pytest.approx(sum(have) / len(have), abs=1e-6)
     assert Path(tmp_path / "embedded" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "protocol"), [(n, p) for n in NAMES for p in protocols_of(n)])
+def test_every_algorithm_with_empty_clients_agrees_on_both_runtimes(name, protocol, tmp_path):
+    """The contract-rule suite's federation (a client without any data, one without test data) on Flower's
+    apps gives the embedded numbers, for every registered algorithm under each protocol it supports."""
+    raw = empty_client_config(name, protocol, "sequential")
+    raw["name"] = f"empty-{name}-{protocol}"  # its own node runtime (nodes cache one per config)
+    raw["engine"]["nodes"] = 3
+    if ALGORITHMS.get(name).heterogeneous_models:
+        raw["model"]["per_client"] = {"0-2": {"hidden": 24}}
+    here = embedded(raw, tmp_path / "embedded")
+    there = on_flower(raw, tmp_path / "flower", LoopbackGrid(3))
+    assert_same_metrics(here, there)
+    assert all(r["rejected"] == 0 for r in there)
