@@ -20,7 +20,7 @@ pytest.importorskip("flwr")
 from fedskew.algorithms import ALGORITHMS
 from tests.flower_loopback import LoopbackGrid
 from tests.test_contract import NAMES
-from tests.test_contract_rules import protocols_of, empty_client_config
+from tests.test_contract_rules import empty_client_config, protocols_of
 from tests.test_flower import assert_same_metrics, embedded, flower_config, on_flower
 
 TABLE = {
