@@ -170,6 +170,21 @@ def _few_shot_validation(
     return [pool[v] for v in val]
 
 
+def _check_sizes(num_clients: int, shots: int | None, val_shots: int | None, val_fraction: float) -> None:
+    """One-line errors for a federation without clients and for val_shots without shots."""
+    if num_clients < 1:
+        raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
+    if val_shots is not None and (shots is None or val_fraction > 0):
+        raise ConfigError(
+            "config key 'data.val_shots' needs data.shots and replaces data.val_fraction (set it 0)"
+        )
+
+
+def _index_tensors(arrays: list[np.ndarray]) -> list[Tensor]:
+    """Index arrays as int64 tensors."""
+    return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+
+
 def _check_no_empty_client(parts: list[np.ndarray], partition: Mapping[str, Any]) -> None:
     """Clients without training samples are allowed only where the partition asks for them (``min_size:
     0``: cross-device federations where many devices hold nothing)."""
@@ -210,12 +225,7 @@ def build_federated(
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
-    if num_clients < 1:
-        raise ConfigError(f"config key 'data.num_clients' must be >= 1, got {num_clients}")
-    if val_shots is not None and (shots is None or val_fraction > 0):
-        raise ConfigError(
-            "config key 'data.val_shots' needs data.shots and replaces data.val_fraction (set it 0)"
-        )
+    _check_sizes(num_clients, shots, val_shots, val_fraction)
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
     # the partition sees the subset only; its parts are mapped back to indices of the full training set
@@ -234,15 +244,11 @@ def build_federated(
     else:
         outside = np.setdiff1d(np.arange(limit), subset)
         train, val = parts, _few_shot_validation(labels, parts, outside, val_shots, dataset.num_classes, seed)
-
-    def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-
     return FederatedData(
         dataset=dataset,
-        train_idx=tensors(train),
-        test_idx=tensors(test_parts),
-        val_idx=tensors(val),
+        train_idx=_index_tensors(train),
+        test_idx=_index_tensors(test_parts),
+        val_idx=_index_tensors(val),
         partition=dict(partition),
         seed=seed,
         test_info=info,
