@@ -8,6 +8,7 @@ executor (forked worker processes inherit it) and by a Flower ClientApp on its n
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -93,20 +94,36 @@ class ModelCache:
         self.memory_format = memory_format  # "contiguous" | "channels_last" (resolved: fedskew.engine.modes)
         self.seed, self.prepare = seed, prepare
         self._instances: dict[Hashable, nn.Module] = {}
+        #: per architecture: the initial model before ``prepare`` and the CPU random state after building it
+        self._initial: dict[Hashable, tuple[nn.Module, Tensor]] = {}
 
     def build(self, cid: int | None) -> nn.Module:
         """A new model for ``cid`` on the device, in the engine's memory format (values unchanged)."""
+        return self.prepare(self._laid_out(cid))
+
+    def _laid_out(self, cid: int | None) -> nn.Module:
         model = self.factory(cid).to(self.device)
         if self.memory_format == "channels_last" and any(isinstance(m, nn.Conv2d) for m in model.modules()):
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stub lacks it
-        return self.prepare(model)
+        return model
 
     def initial(self, cid: int | None) -> nn.Module:
         """A new model of ``cid``'s architecture with the run's initial weights: built from the seed of the
-        global initial model, so a client whose architecture matches starts from exactly that model."""
+        global initial model, so a client whose architecture matches starts from exactly that model.
+
+        The architecture's unprepared model and the random state after it are kept, and each call prepares a
+        copy from that state: the same model as building it afresh, at a fraction of the cost
+        (never-trained clients' initial states are rebuilt on every request, since the state store keeps
+        none; building and initialising were most of a personalized evaluation of untrained clients)."""
+        key = self.arch_key(cid)
+        if key not in self._initial:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(self.seed, INIT_KEY))
+                self._initial[key] = (self._laid_out(cid), torch.get_rng_state())
+        raw, after = self._initial[key]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, INIT_KEY))
-            return self.build(cid)
+            torch.set_rng_state(after)  # what prepare_model draws, it draws as right after the build
+            return self.prepare(copy.deepcopy(raw))
 
     def model_for(self, cid: int | None) -> nn.Module:
         """The reusable working instance of ``cid``'s architecture (built once; the engine loads weights)."""

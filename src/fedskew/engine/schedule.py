@@ -34,6 +34,11 @@ class EpochSpec:
     momentum: float
     trainable: tuple[str, ...]  # names of the parameters this epoch trains
 
+    @property
+    def structure(self) -> tuple[int, int, bool, float, tuple[str, ...]]:
+        """What must be equal for clients trained in one vmap call (the learning rate may differ)."""
+        return (self.phase, self.epoch, self.last, self.momentum, self.trainable)
+
 
 def local_schedule(
     phases: list[Phase], cfg: ClientSection, lr_scale: float, names: list[str]
@@ -47,17 +52,6 @@ def local_schedule(
             last = p_i == len(phases) - 1 and epoch == phase.epochs - 1
             out.append(EpochSpec(p_i, epoch, last, phase.lr * lr_scale, momentum, trainable))
     return out
-
-
-def same_structure(a: EpochSpec, b: EpochSpec) -> bool:
-    """Whether two clients' epochs can be trained in one vmap call (the learning rate may differ)."""
-    return (a.phase, a.epoch, a.last, a.momentum, a.trainable) == (
-        b.phase,
-        b.epoch,
-        b.last,
-        b.momentum,
-        b.trainable,
-    )
 
 
 def epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:

@@ -54,7 +54,7 @@ from fedskew.algorithms.base import (
 from fedskew.engine.client import PreparedClient, finish_client, prepare_client
 from fedskew.engine.device import chunk_budget_mb, precision_context
 from fedskew.engine.runtime import ClientRuntime
-from fedskew.engine.schedule import EpochLoss, EpochSpec, epoch_batches, local_schedule, same_structure
+from fedskew.engine.schedule import EpochLoss, EpochSpec, epoch_batches, local_schedule
 from fedskew.engine.sgd import apply_step, sgd_directions
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch
@@ -124,24 +124,6 @@ class _LossModule(nn.Module):
         return self.algorithm.local_loss(step.replace(model=self.model), batch)
 
 
-def _stack_trees(trees: list[Any], what: str) -> tuple[list[Tensor], list[Any], Any, list[int]]:
-    """Stack the tensor leaves of identically shaped pytrees; other leaves must be equal."""
-    flat = [tree_flatten(t) for t in trees]
-    spec = flat[0][1]
-    if any(f[1] != spec for f in flat[1:]):
-        raise NotVectorizable(f"clients' {what} differ in structure")
-    leaves0 = flat[0][0]
-    tensor_pos = [i for i, v in enumerate(leaves0) if isinstance(v, Tensor)]
-    for i, v in enumerate(leaves0):
-        if i in tensor_pos:
-            if any(not isinstance(f[0][i], Tensor) or f[0][i].shape != v.shape for f in flat):
-                raise NotVectorizable(f"clients' {what} tensors differ in shape")
-        elif any(f[0][i] != v for f in flat):
-            raise NotVectorizable(f"clients' {what} differ in a non-tensor value")
-    stacked = [torch.stack([f[0][i] for f in flat]) for i in tensor_pos]
-    return stacked, list(leaves0), spec, tensor_pos
-
-
 @dataclass
 class _Stacked:
     """A pytree per client, stacked: ``tensors`` ([K, ...] leaves) and what rebuilds one client's tree."""
@@ -153,7 +135,21 @@ class _Stacked:
 
     @classmethod
     def of(cls, trees: list[Any], what: str) -> _Stacked:
-        return cls(*_stack_trees(trees, what))
+        """Stack the tensor leaves of identically shaped pytrees; other leaves must be equal."""
+        flat = [tree_flatten(t) for t in trees]
+        spec = flat[0][1]
+        if any(f[1] != spec for f in flat[1:]):
+            raise NotVectorizable(f"clients' {what} differ in structure")
+        leaves0 = flat[0][0]
+        tensor_pos = [i for i, v in enumerate(leaves0) if isinstance(v, Tensor)]
+        for i, v in enumerate(leaves0):
+            if i in tensor_pos:
+                if any(not isinstance(f[0][i], Tensor) or f[0][i].shape != v.shape for f in flat):
+                    raise NotVectorizable(f"clients' {what} tensors differ in shape")
+            elif any(f[0][i] != v for f in flat):
+                raise NotVectorizable(f"clients' {what} differ in a non-tensor value")
+        stacked = [torch.stack([f[0][i] for f in flat]) for i in tensor_pos]
+        return cls(stacked, list(leaves0), spec, tensor_pos)
 
     def rebuild(self, tensors: list[Tensor]) -> Any:
         out = list(self.leaves)
@@ -202,11 +198,8 @@ class _Chunk:
             schedule = local_schedule(prep.phases, rt.client, prep.lr_scale, self.names)
             self.clients.append(_Client(prep, schedule))
             starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        first = self.clients[0].schedule
-        if any(
-            len(c.schedule) != len(first) or not all(map(same_structure, c.schedule, first))
-            for c in self.clients
-        ):
+        structures = {tuple(spec.structure for spec in c.schedule) for c in self.clients}
+        if len(structures) > 1:
             raise NotVectorizable("clients run different local phases")
         reads = alg.loss_reads
         configs = {tuple(sorted(c.prep.payload.config.items())) for c in self.clients}
