@@ -223,7 +223,11 @@ class _Chunk:
         )
 
     def _loss_fn(self, wrapper: _LossModule) -> Callable[..., tuple[Tensor, Tensor]]:
-        rt = self.rt
+        # The closure holds what it reads, never ``self``: a chunk holding its own step function through
+        # ``self`` would be a reference cycle, and every round's stacked parameters would wait for Python's
+        # cyclic collector (measured: +330 MB of RSS a round on W3, and slower rounds as it grew).
+        rt, payloads, states, derived, info = self.rt, self.payloads, self.states, self.derived, self.info
+        config = self.config
 
         def loss_fn(
             train: dict[str, Tensor],
@@ -239,11 +243,11 @@ class _Chunk:
         ) -> tuple[Tensor, Tensor]:
             step = LocalStep(
                 model=wrapper.model,
-                payload=Payload(arrays=self.payloads.rebuild(pay), config=dict(self.config)),
-                state=self.states.rebuild(st),
+                payload=Payload(arrays=payloads.rebuild(pay), config=dict(config)),
+                state=states.rebuild(st),
                 client=_NO_CLIENT,  # type: ignore[arg-type]
-                info=self.info,
-                derived=self.derived.rebuild(der),
+                info=info,
+                derived=derived.rebuild(der),
                 scratch=Scratch(scratch),  # tensors: updated in place
             )
             weights = {"model." + n: v for n, v in {**train, **frozen}.items()}
