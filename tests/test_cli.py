@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from fedskew.experiment.config import build_config
-from fedskew.experiment.report import find_runs, group_runs, markdown_table, mean_curve, plot_accuracy
+from fedskew.experiment.report import find_runs, group_runs, mean_curve, plot_accuracy
+from fedskew.experiment.report_tables import markdown_table
 from fedskew.experiment.runner import run_experiment
 from tests.conftest import digits_config
 

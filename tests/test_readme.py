@@ -70,3 +70,32 @@ def test_readme_dataset_example_registers_a_loader_a_federation_trains_on(tmp_pa
         )
         record = build_simulation(build_config(cfg)).run_round().record
     assert record["rejected"] == 0 and 0.0 <= record["accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_readme_walkthrough_from_runs_to_a_paper_table(tmp_path, monkeypatch):
+    """The walkthrough's commands as written (2 rounds instead of 15): a sweep logged to the three trackers,
+    a LaTeX table and an HTML page."""
+    import shlex
+    import subprocess
+    import sys
+
+    section = README.read_text().split("## From runs to a paper table")[1].split("\n## ")[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    yaml_text = re.search(r"<<'YAML'\n(.*?)\nYAML\n", block, re.S).group(1)
+    (tmp_path / "digits.yaml").write_text(yaml_text)
+    commands = block.split("\nYAML\n")[1].replace("\\\n", " ").strip().splitlines()
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    for command in commands:
+        words, _, redirect = command.partition(" > ")
+        args = shlex.split(words)[1:] + (["--set", "rounds=2"] if " sweep " in command else [])
+        done = subprocess.run(
+            [sys.executable, "-m", "fedskew.cli", *args], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{command}: {done.stderr[-1500:]}"
+        if redirect:
+            (tmp_path / redirect.strip()).write_text(done.stdout)
+    assert r"\toprule" in (tmp_path / "table.tex").read_text()
+    assert "<table>" in (tmp_path / "runs/paper/report.html").read_text()
+    assert len(list((tmp_path / "runs/tb").rglob("seed*"))) == 9  # 3 methods × 3 seeds

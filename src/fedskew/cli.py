@@ -251,25 +251,28 @@ def report(
     ),
     metric: str = typer.Option("accuracy", "--metric", help="--paired metric: a key of summary.json's final"),
     last: int = typer.Option(0, "--last", help="--paired on the mean of the last K evaluated rounds"),
+    fmt: str = typer.Option("markdown", "--format", help="table format: markdown, latex (booktabs) or csv"),
+    metrics: str | None = typer.Option(
+        None, "--metrics", help="table columns, e.g. accuracy,loss,bytes_up,accuracy_worst10,accuracy_gini"
+    ),
+    target: float | None = typer.Option(
+        None, "--target", help="add rounds-to-target: the first round each run reaches this accuracy"
+    ),
+    html: Path | None = typer.Option(None, "--html", help="also write one self-contained HTML page"),
 ) -> None:
-    """Markdown table of final metrics (mean ± std over seeds), optionally the seed-paired differences to
-    a baseline group with 95% t-intervals, and an accuracy-vs-round plot."""
-    from fedskew.experiment.report import (
-        find_runs,
-        group_runs,
-        markdown_table,
-        paired_table,
-        plot_accuracy,
-        select_group,
-    )
+    """The table of final metrics (mean ± std over seeds) as Markdown, LaTeX or CSV, optionally the
+    seed-paired differences to a baseline group with 95% t-intervals, the accuracy-vs-round and per-client
+    accuracy plots, and an HTML page with all of it."""
+    from fedskew.experiment.reporting import ReportRequest, make_report
 
-    groups = group_runs(find_runs(list(dirs)))
-    baseline = select_group(groups, paired) if paired is not None else None
-    typer.echo(markdown_table(groups))  # plain: markdown must not be wrapped
-    if baseline is not None:
-        typer.echo(paired_table(groups, baseline, metric, last))
-    path = plot_accuracy(groups, plot or Path("report.png"))
-    console.print(f"plot: {path}")
+    request = ReportRequest(
+        list(dirs), fmt, metrics, target, paired, metric, last, plot or Path("report.png"), html=html
+    )
+    result = make_report(request)
+    typer.echo(result.text.rstrip("\n") + "\n")  # plain: tables must not be wrapped
+    notices = console if fmt == "markdown" else Console(stderr=True)  # keep LaTeX / CSV output clean
+    for path in result.files:
+        notices.print(f"{'page' if path.suffix == '.html' else 'plot'}: {path}")
 
 
 @app.command()
@@ -280,7 +283,8 @@ def demo(
     """FedAvg, FedProx and Local on scikit-learn digits, Dirichlet(0.3), 10 clients: table + plot."""
     from fedskew.experiment.config import build_config
     from fedskew.experiment.demo import DEMO_ALGORITHMS, demo_config
-    from fedskew.experiment.report import find_runs, group_runs, markdown_table, plot_accuracy
+    from fedskew.experiment.report import find_runs, group_runs, plot_accuracy
+    from fedskew.experiment.report_tables import markdown_table
 
     for name in DEMO_ALGORITHMS:
         cfg = build_config(demo_config(name, rounds))

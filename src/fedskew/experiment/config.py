@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
@@ -117,6 +117,59 @@ class CheckpointSection(Strict):
     every: int = Field(5, ge=0, description="write a checkpoint every k rounds (0: only at the end)")
 
 
+class MlflowLog(Strict):
+    uri: str = Field(..., description="MLflow tracking URI, e.g. sqlite:///mlflow.db or http://host:5000")
+    experiment: str = Field("fedskew", description="MLflow experiment the run is logged under")
+
+
+class WandbLog(Strict):
+    project: str = Field("fedskew", description="W&B project")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline (default: files only, no network), online or disabled"
+    )
+    dir: str | None = Field(None, description="where W&B writes its run folder (default: the run's folder)")
+    entity: str | None = Field(None, description="W&B entity (team or user), online mode")
+
+
+class LogSection(Strict):
+    """Live trackers beside ``metrics.jsonl`` (which stays the source of truth); none by default. A tracker
+    that fails never stops or changes the run (docs/decisions.md, "trackers")."""
+
+    tensorboard: str | None = Field(None, description="TensorBoard log folder; a run writes <dir>/<run name>")
+    mlflow: MlflowLog | None = Field(None, description="MLflow: {uri, experiment}; a URI string is the uri")
+    wandb: WandbLog | None = Field(None, description="Weights & Biases: {project, mode, dir, entity}")
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _uri_shorthand(cls, value: Any) -> Any:
+        return {"uri": value} if isinstance(value, str) else value
+
+    def enabled(self) -> list[str]:
+        """The trackers this section turns on, by registry name."""
+        return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name) is not None]
+
+
+#: config sections that change how a run is watched, not what it computes: left out when a saved config is
+#: compared with a planned one (resume, sweeps) and when runs are grouped for a report
+WATCH_ONLY = ("name", "log")
+
+
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    flat: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            flat.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def results_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config mapping without its :data:`WATCH_ONLY` sections (what decides a run's numbers)."""
+    return {k: v for k, v in config.items() if k not in WATCH_ONLY}
+
+
 class Config(Strict):
     name: str | None = Field(None, description="free-form run name")
     seed: int = Field(
@@ -132,6 +185,7 @@ class Config(Strict):
     eval: EvalSection = Field(default_factory=EvalSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    log: LogSection = Field(default_factory=LogSection)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -15,6 +15,7 @@ import scipy.stats
 import yaml
 
 from fedskew.errors import FedskewError
+from fedskew.experiment.config import flatten_config, results_config
 from fedskew.experiment.runner import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 
@@ -86,17 +87,6 @@ def runs_by_folder(root: str | Path) -> dict[str, list[RunResult]]:
     return out
 
 
-def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    flat: dict[str, Any] = {}
-    for k, v in config.items():
-        if isinstance(v, dict) and v:
-            flat.update(flatten_config(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
-
-
 def value_text(value: Any) -> str:
     """A config value as YAML-like text: ``fedavg``, ``0.5``, ``true``, ``null``, ``[1, 2]``."""
     return value if isinstance(value, str) else json.dumps(value)
@@ -105,7 +95,7 @@ def value_text(value: Any) -> str:
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[str, Group] = {}
     for r in runs:
-        key_cfg = {k: v for k, v in r.config.items() if k not in ("seed", "name")}
+        key_cfg = {k: v for k, v in results_config(r.config).items() if k not in ("seed", "name")}
         key = json.dumps(key_cfg, sort_keys=True)
         groups.setdefault(key, Group(r.label)).runs.append(r)
     _disambiguate(list(groups.values()))
@@ -120,39 +110,13 @@ def _disambiguate(groups: list[Group]) -> None:
     for same in by_label.values():
         if len(same) < 2:
             continue
-        flats = [flatten_config(g.runs[0].config) for g in same]
+        flats = [flatten_config(results_config(g.runs[0].config)) for g in same]
         keys = set().union(*flats) - {"seed", "name"}
         differing = sorted(k for k in keys if len({json.dumps(f.get(k)) for f in flats}) > 1)
         for g, flat in zip(same, flats, strict=True):
             g.detail = ",".join(f"{k}={value_text(flat.get(k))}" for k in differing)
             head, sep, tail = g.label.partition(" | ")  # the markdown table splits labels on " | "
             g.label = f"{head} ({g.detail}){sep}{tail}"
-
-
-def _pm(mean: float, std: float) -> str:
-    return "n/a" if np.isnan(mean) else f"{100 * mean:.2f} ± {100 * std:.2f}"
-
-
-def markdown_table(groups: list[Group]) -> str:
-    """Final-round accuracy (%) mean ± std over seeds, and the mean over seeds of the std over clients."""
-    rows = [
-        "| algorithm | data | model | seeds | rounds | final accuracy (%) | std over clients (%) | loss "
-        "| MB up | s/run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for g in groups:
-        mean, std = g.stat("accuracy")
-        acc = _pm(mean, std) if len(g.runs) > 1 else f"{100 * mean:.2f}"
-        client_std = g.stat("accuracy_std")[0]
-        loss = g.stat("loss")[0]
-        mb = np.mean([r.summary["bytes_up"] for r in g.runs]) / 2**20
-        secs = np.mean([r.summary["wall_seconds"] for r in g.runs])
-        rounds = g.runs[0].summary["rounds"]
-        rows.append(
-            f"| {g.label} | {len(g.runs)} | {rounds} | {acc} | {100 * client_std:.2f} | {loss:.4f} | "
-            f"{mb:.2f} | {secs:.1f} |"
-        )
-    return "\n".join(rows) + "\n"
 
 
 def seeds_cell(runs: list[RunResult], key: str = "accuracy", scale: float = 100.0) -> str:

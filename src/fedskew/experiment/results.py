@@ -36,7 +36,8 @@ import fedskew
 from fedskew.engine.loop import Simulation
 from fedskew.engine.states import STATES_DIR
 from fedskew.errors import FedskewError, RunFailure
-from fedskew.experiment.config import Config, read_saved_config
+from fedskew.experiment.config import Config, read_saved_config, results_config
+from fedskew.experiment.fairness import client_accuracies, client_fairness
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -226,6 +227,7 @@ def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
     """``summary.json``: the final evaluated round is the result (never the best test round)."""
     last = sim.history[-1]
     final = {k: jsonable(v) for k, v in last.items() if k.startswith(("accuracy", "loss", "val_"))}
+    final.update(client_fairness(client_accuracies(last)))  # personalized protocol: who is left behind
     summary: dict[str, Any] = {
         "final": final,
         "rounds": sim.round,
@@ -260,7 +262,7 @@ def prepare_output(out: Path, cfg: Config, resume: bool, force: bool) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     if resume and exists:
         saved = out / CONFIG_FILE
-        if saved.is_file() and read_saved_config(saved) != cfg.to_dict():
+        if saved.is_file() and results_config(read_saved_config(saved)) != results_config(cfg.to_dict()):
             raise FedskewError(f"--resume: config differs from the one saved in '{saved}'")
         return load_checkpoint(out)
     if force:

@@ -53,6 +53,7 @@ from fedskew.experiment.results import (
     write_metrics,
     write_text,
 )
+from fedskew.experiment.tracking import check_trackers, open_trackers
 
 __all__ = [
     "CHECKPOINT_FILE", "CHECKPOINT_PREV", "CONFIG_FILE", "DIGEST_KEY", "LOCK_FILE", "METRICS_FILE",
@@ -97,6 +98,7 @@ def run_experiment(
                 "does this); allowed here: embedded"
             )
         assemble = embedded(data)
+    check_trackers(cfg.log)
     cfg = recorded_config(cfg)
     out_dir = Path(out) if out is not None else None
     with (
@@ -122,6 +124,7 @@ def _run(
     if out_dir is not None:
         write_text(out_dir / CONFIG_FILE, dump_config(cfg))
         write_metrics(out_dir, sim.history)
+    trackers = open_trackers(cfg, out_dir, resumed_at=sim.round)  # after the results files: never before
     t0 = time.perf_counter()
     every = cfg.checkpoint.every
     try:
@@ -133,6 +136,8 @@ def _run(
                     append_line(out_dir / METRICS_FILE, line)
                 if every and sim.round % every == 0 and sim.round < cfg.rounds:
                     save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0)
+            if outcome.record is not None:
+                trackers.log_round(outcome.record)
             if on_round is not None:
                 on_round(sim, outcome.record)
     except BaseException:
@@ -140,12 +145,14 @@ def _run(
         if out_dir is not None and sim.round > 0:
             with contextlib.suppress(RunFailure):  # disk full: the last checkpoint written stays the one
                 save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0)
+        trackers.close(None)  # stopped early: each tracker closes its run as not finished
         raise
     finally:
         sim.close()
     wall = elapsed0 + time.perf_counter() - t0
-    summary = make_summary(cfg, sim, wall)
+    final = make_summary(cfg, sim, wall)
     if out_dir is not None:
         save_checkpoint(sim, out_dir, wall)
-        write_text(out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-    return summary
+        write_text(out_dir / SUMMARY_FILE, json.dumps(final, indent=2) + "\n")
+    trackers.close(final)
+    return final

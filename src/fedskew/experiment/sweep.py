@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import build_config, load_config, read_saved_config
+from fedskew.experiment.config import build_config, load_config, read_saved_config, results_config
 from fedskew.experiment.report import flatten_config, value_text
 from fedskew.experiment.runner import (
     CHECKPOINT_FILE,
@@ -173,7 +173,8 @@ def check_saved_config(run: PlannedRun) -> None:
     if not saved.is_file():
         return
     planned = recorded_config(build_config(run.config)).to_dict()  # as the run will record it
-    old, new = flatten_config(read_saved_config(saved)), flatten_config(planned)
+    old = flatten_config(results_config(read_saved_config(saved)))
+    new = flatten_config(results_config(planned))
     diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
     if diff:
         k = diff[0]
@@ -194,7 +195,9 @@ def _plan_one(
     overrides = (*sets, *(f"{k}={v}" for k, v in point))
     cfg = load_config(path, [*overrides, *([f"seed={seed}"] if seed is not None else [])]).to_dict()
     grid = ",".join(f"{sanitize(k)}={sanitize(v)}" for k, v in point)
-    folder = out / render_name(name, path.stem, grid, cfg) / f"seed{cfg['seed']}"
+    group = render_name(name, path.stem, grid, cfg)
+    folder = out / group / f"seed{cfg['seed']}"
+    cfg["name"] = group.as_posix()  # the run's group in trackers (watch-only: config.WATCH_ONLY)
     return PlannedRun(path, overrides, cfg["seed"], folder, cfg)
 
 
