@@ -110,3 +110,72 @@ class EngineSection(Strict):
         if v != "auto" and (kind not in ("cpu", "cuda", "mps") or (index and not indexed_cuda)):
             raise ValueError("allowed: auto, cpu, cuda, cuda:N, mps")
         return v
+
+
+# ---------------------------------------------------------------------------- security (docs/security.md)
+DATA_ATTACKS = ("label_flip", "backdoor")
+UPDATE_ATTACKS = ("sign_flip", "gaussian", "scaling", "alie")
+AttackName = Literal["none", "label_flip", "backdoor", "sign_flip", "gaussian", "scaling", "alie"]
+DefenceName = Literal[
+    "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geomed", "norm_bound"
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttackSection(_Section):
+    """Malicious clients (simulation only: a real deployment has no such switch)."""
+
+    name: AttackName = Field("none", description="the malicious clients' behaviour")
+    fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of the clients that are malicious (seeded)"
+    )
+    clients: list[int] | None = Field(None, description="malicious client ids (instead of fraction)")
+    scale: float = Field(
+        1.0, gt=0.0, description="sign_flip: −scale·Δ; scaling / model replacement: scale·Δ (boost γ)"
+    )
+    sigma: float = Field(1.0, gt=0.0, description="gaussian: the std of the update sent instead of Δ")
+    z: float | None = Field(None, description="alie: z (default: Baruch et al. 2019's z_max from n and f)")
+    target: int = Field(0, ge=0, description="backdoor: the label the trigger asks for")
+    trigger_size: int = Field(4, ge=1, description="backdoor: side of the square pattern (bottom-right)")
+    poison_fraction: float = Field(
+        0.5, gt=0.0, le=1.0, description="backdoor: share of each malicious batch stamped and relabelled"
+    )
+
+
+class DefenceSection(_Section):
+    """Robust aggregation of the uploads (for algorithms whose aggregation is a mean of uploads)."""
+
+    name: DefenceName = Field("mean", description="the aggregation rule; mean: the algorithm's own")
+    byzantine_fraction: float | None = Field(
+        None, ge=0.0, description="assumed share f/m of malicious clients a round (krum, multi_krum, bulyan, "
+        "median); default: the attack's fraction"
+    )  # fmt: skip
+    beta: float = Field(0.1, ge=0.0, description="trimmed_mean: share trimmed at each end (< 0.5)")
+    select: int | None = Field(None, ge=1, description="multi_krum: uploads kept (default m − f)")
+    max_norm: float | None = Field(None, description="norm_bound: the largest update norm kept (> 0)")
+    eps: float = Field(1e-6, gt=0.0, description="geomed: Weiszfeld smoothing ν (Pillutla et al. 2022)")
+    max_iter: int = Field(100, ge=1, description="geomed: Weiszfeld iterations at most")
+
+
+class AdaptiveClip(_Section):
+    """Adaptive quantile clipping (Andrew et al. 2021, Alg. 1)."""
+
+    quantile: float = Field(0.5, gt=0.0, lt=1.0, description="target share γ of updates within the norm")
+    lr: float = Field(0.2, gt=0.0, description="geometric update rate η_C of the clip norm")
+    count_noise: float | None = Field(
+        None, ge=0.0, description="std σ_b of the noise on the count (default: m / 20, Andrew et al. §4)"
+    )
+
+
+class PrivacySection(_Section):
+    """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018)."""
+
+    mechanism: Literal["none", "central", "local"] = Field("none", description="where the noise is added")
+    clip: float = Field(1.0, description="L2 bound C of each client's update (the initial one when adaptive)")
+    noise_multiplier: float | None = Field(None, ge=0.0, description="z: noise std / sensitivity")
+    target_epsilon: float | None = Field(None, description="calibrate z to reach this ε at the last round")
+    delta: float | None = Field(None, description="δ of the (ε, δ) guarantee, e.g. 1e-5 or 1/num_clients")
+    adaptive: AdaptiveClip | None = Field(None, description="adaptive quantile clipping (central only)")

@@ -185,6 +185,10 @@ class Algorithm:
     #: clients may have different architectures (``model.per_client`` changing parameter shapes): nothing
     #: is averaged across clients' models
     heterogeneous_models: ClassVar[bool] = False
+    #: ``aggregate`` is a (weighted) mean of the uploads' floating arrays, followed by server steps that see
+    #: the uploads only through that mean and their count: robust rules, central DP and model-poisoning
+    #: attacks may then hand it changed uploads (``fedskew.algorithms.security``)
+    mean_aggregation: ClassVar[bool] = False
     #: the method runs on frozen-backbone features and needs ``data.vision_language`` in the config
     vision_language: ClassVar[bool] = False
     #: ``local_loss`` is a pure function of (model, batch, payload, state, scratch) with no data-dependent

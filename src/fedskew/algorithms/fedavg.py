@@ -17,5 +17,7 @@ from fedskew.algorithms.base import (
 class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017): local SGD, sample-weighted model averaging."""
 
+    mean_aggregation = True
+
     vectorizable = True
     loss_reads = frozenset()  # plain cross-entropy: nothing of the payload or state is stacked

@@ -41,6 +41,8 @@ from fedskew.algorithms.fedprox import proximal_term
 class FedDyn(Algorithm):
     """FedDyn (Acar et al. 2021): dynamic linear + quadratic regulariser, server state h."""
 
+    mean_aggregation = True
+
     vectorizable = True
 
     class Params(HyperParams):

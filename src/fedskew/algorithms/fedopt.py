@@ -45,6 +45,8 @@ class ServerOptimizer(Algorithm):
     ``n`` lives in ``server[s][n]``.
     """
 
+    mean_aggregation = True
+
     slots: ClassVar[tuple[str, ...]] = ("m",)
     vectorizable = True
     loss_reads = frozenset()  # plain cross-entropy

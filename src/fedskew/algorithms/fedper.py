@@ -58,6 +58,8 @@ def personal_names(model: nn.Module, split: str) -> set[str]:
 class FedPer(Algorithm):
     """FedPer (Arivazhagan et al. 2019): FedAvg on the base layers, personal layers kept by each client."""
 
+    mean_aggregation = True
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
 

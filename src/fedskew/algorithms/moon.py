@@ -64,6 +64,8 @@ def _frozen(model: nn.Module) -> nn.Module:
 class Moon(Algorithm):
     """MOON (Li et al. 2021): model-contrastive loss between local, global and previous representations."""
 
+    mean_aggregation = True
+
     class Params(HyperParams):
         mu: float = Field(
             5.0,

@@ -48,6 +48,8 @@ def _controls(payload: Payload) -> dict[str, Tensor]:
 class Scaffold(Algorithm):
     """SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct client drift."""
 
+    mean_aggregation = True
+
     vectorizable = True
     loss_reads = frozenset()  # the loss reads only the correction made in init_scratch
 

@@ -39,7 +39,7 @@ class RoundInfo:
 
     def generator(self, key: int) -> torch.Generator:
         """A CPU generator seeded from ``(seed, round, cid, key)``; ``key`` separates a method's streams."""
-        cid = -1 if self.cid is None else self.cid
+        cid = 2**32 if self.cid is None else self.cid  # the server's streams: an id no client has
         return torch.Generator().manual_seed(derive_seed(self.seed, self.round, cid, key))
 
 

@@ -14,15 +14,18 @@ from typing import Any
 from torch import nn
 
 from fedskew.algorithms.base import ALGORITHMS, Algorithm
+from fedskew.algorithms.security.config import SecurityPlan, security_plan
+from fedskew.algorithms.security.secured import secured
 from fedskew.data.base import DATASETS, resolve_root
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.assembly import ClientMeta, ModelSpec, client_data, construct_algorithm, initial_server
 from fedskew.engine.device import resolve_device
-from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator
+from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator, RoundEvaluator
 from fedskew.engine.loop import RoundPlan, Simulation
 from fedskew.engine.modes import EmbeddedExecutor, memory_format
+from fedskew.engine.probes import BackdoorProbe
 from fedskew.engine.runtime import ClientRuntime, ModelCache
-from fedskew.engine.sampling import sampling_schedule
+from fedskew.engine.sampling import clients_per_round, sampling_schedule
 from fedskew.engine.states import SpillingStates
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import Config, VisionLanguageConfig, parse_client_range
@@ -135,10 +138,21 @@ def build_algorithm(cfg: Config, data: FederatedData) -> tuple[Algorithm, ModelC
     device = resolve_device(cfg.engine.device)
     build_model, arch_key = model_builders(cfg, data)
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
-    alg_cls = ALGORITHMS.get(cfg.algorithm.name)
+    alg_cls = secured(ALGORITHMS.get(cfg.algorithm.name), security_of(cfg, data.dataset.num_classes))
     spec = ModelSpec(build_model, arch_key, device, fmt, cfg.seed)
     params = alg_cls.Params(**cfg.algorithm.hyper())
     return construct_algorithm(alg_cls, params, ClientMeta.of(data), spec, cfg.client, cfg.rounds, cfg.seed)
+
+
+def security_of(cfg: Config, num_classes: int) -> SecurityPlan:
+    """The run's threat model and protections (``attack``, ``defence``, ``privacy``), resolved."""
+    if cfg.attack.name == "backdoor" and cfg.attack.target >= num_classes:
+        raise ConfigError(f"attack.target={cfg.attack.target}: the data has classes 0-{num_classes - 1}")
+    n = cfg.data.num_clients
+    m = clients_per_round(n, cfg.client.fraction)
+    return security_plan(
+        cfg.attack, cfg.defence, cfg.privacy, num_clients=n, per_round=m, rounds=cfg.rounds, seed=cfg.seed
+    )
 
 
 def evaluator(cfg: Config, algorithm: Algorithm, models: ModelCache, data: FederatedData) -> Evaluator:
@@ -147,6 +161,14 @@ def evaluator(cfg: Config, algorithm: Algorithm, models: ModelCache, data: Feder
     batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
     eval_data = EvalData.of(data, device)
     return Evaluator(algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, cfg.engine.precision)
+
+
+def probed(cfg: Config, round_evaluator: RoundEvaluator, ev: Evaluator) -> RoundEvaluator:
+    """What the round transaction is handed: the runtime's evaluator, with a backdoor attack's success
+    rate measured beside (:class:`~fedskew.engine.probes.BackdoorProbe`, on ``ev``'s global test set)."""
+    if cfg.attack.name == "backdoor":
+        return BackdoorProbe(round_evaluator, ev, cfg.attack.target, cfg.attack.trigger_size)
+    return round_evaluator
 
 
 def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
@@ -189,6 +211,6 @@ def build_simulation(
         server,
         round_plan(cfg, data.num_clients),
         executor=EmbeddedExecutor(rt, e),
-        evaluator=scorer,
+        evaluator=probed(cfg, scorer, scorer),
         states=states,
     )

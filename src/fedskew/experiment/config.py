@@ -19,7 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
 from fedskew.registry import check_options
-from fedskew.settings import ClientSection, EngineSection, EvalSection, Strict
+from fedskew.settings import (
+    AttackSection,
+    ClientSection,
+    DefenceSection,
+    EngineSection,
+    EvalSection,
+    PrivacySection,
+    Strict,
+)
 
 
 class FrozenEncoderConfig(Strict):
@@ -186,6 +194,9 @@ class Config(Strict):
     engine: EngineSection = Field(default_factory=EngineSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     log: LogSection = Field(default_factory=LogSection)
+    attack: AttackSection = Field(default_factory=AttackSection)
+    defence: DefenceSection = Field(default_factory=DefenceSection)
+    privacy: PrivacySection = Field(default_factory=PrivacySection)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -318,6 +329,20 @@ def validate_semantics(cfg: Config) -> None:
             f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
             "allowed: personalized"
         )
+    _check_security(cfg, alg, [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation])
+
+
+def _check_security(cfg: Config, alg: Any, eligible: list[str]) -> None:
+    """The threat model and protections against the federation and the method (one-line errors)."""
+    from fedskew.algorithms.security.config import check_algorithm, security_plan
+    from fedskew.engine.sampling import clients_per_round
+
+    sections = (cfg.attack, cfg.defence, cfg.privacy)
+    heterogeneous = bool(cfg.model.per_client)
+    check_algorithm(cfg.algorithm.name, alg.mean_aggregation, heterogeneous, eligible, sections)
+    n = cfg.data.num_clients
+    m = clients_per_round(n, cfg.client.fraction)
+    security_plan(*sections, num_clients=n, per_round=m, rounds=cfg.rounds, seed=cfg.seed)
 
 
 def _check_hyper_parameters(alg: Any, cfg: Config) -> None:

@@ -226,7 +226,11 @@ def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
 def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
     """``summary.json``: the final evaluated round is the result (never the best test round)."""
     last = sim.history[-1]
-    final = {k: jsonable(v) for k, v in last.items() if k.startswith(("accuracy", "loss", "val_"))}
+    final = {
+        k: jsonable(v)
+        for k, v in last.items()
+        if k.startswith(("accuracy", "loss", "val_", "epsilon", "attack_"))
+    }
     final.update(client_fairness(client_accuracies(last)))  # personalized protocol: who is left behind
     summary: dict[str, Any] = {
         "final": final,

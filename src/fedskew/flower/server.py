@@ -45,7 +45,7 @@ from fedskew.engine.policy import client_raised, finite_upload
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import FedskewError
-from fedskew.experiment.build import build_algorithm, build_data, evaluator, round_plan
+from fedskew.experiment.build import build_algorithm, build_data, evaluator, probed, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.flower.records import arrays, config, get_payload, put_payload
@@ -351,7 +351,7 @@ def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Pat
         server,
         plan,
         executor=executor,
-        evaluator=FlowerEvaluator(local, executor, test_sizes, val_sizes),
+        evaluator=probed(cfg, FlowerEvaluator(local, executor, test_sizes, val_sizes), local),
         states=states,
     )
 

@@ -1,0 +1,3 @@
+"""The security of a federation: attacks of malicious clients (simulation only), robust aggregation and
+client-level differential privacy, around any algorithm whose aggregation is a mean of uploads
+(docs/security.md)."""

@@ -1,0 +1,206 @@
+"""The :class:`SecurityPlan` a run derives from its ``attack`` (simulation only), ``defence`` (robust
+aggregation) and ``privacy`` (client-level differential privacy) config sections (:mod:`fedskew.settings`)
+and its federation: identical in every process of a run.
+
+Every check that can fail is here, with a one-line error naming the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedskew.errors import ConfigError
+from fedskew.seeding import derive_seed
+from fedskew.settings import (
+    UPDATE_ATTACKS,
+    AdaptiveClip,
+    AttackSection,
+    DefenceSection,
+    PrivacySection,
+)
+
+#: defences that assume at most a fraction f of Byzantine clients per round, and their condition on m
+FRACTION_RULES = {"krum": (2, 3), "multi_krum": (2, 3), "bulyan": (4, 3), "median": (2, 1)}
+
+
+@dataclass(frozen=True)
+class SecurityPlan:
+    """A run's resolved threat model and protections."""
+
+    attack: AttackSection
+    defence: DefenceSection
+    privacy: PrivacySection
+    malicious: frozenset[int]
+    per_round: int  # m: clients sampled a round
+    num_clients: int
+    byzantine: int  # f: malicious uploads a robust rule assumes per round
+    noise: float  # the update noise multiplier z actually used (0 without privacy)
+    epsilons: tuple[float, ...]  # ε after each round (privacy on)
+
+    @property
+    def active(self) -> bool:
+        return self.attack.name != "none" or self.defence.name != "mean" or self.privacy.mechanism != "none"
+
+    @property
+    def touches_uploads(self) -> bool:
+        """Whether the server changes uploads before the algorithm aggregates them."""
+        return (
+            self.attack.name in UPDATE_ATTACKS
+            or self.defence.name != "mean"
+            or self.privacy.mechanism != "none"
+        )
+
+    def is_malicious(self, cid: int | None) -> bool:
+        return cid is not None and cid in self.malicious
+
+
+def malicious_clients(attack: AttackSection, num_clients: int, seed: int) -> frozenset[int]:
+    """The malicious clients: ``attack.clients``, else ``round(fraction · N)`` drawn with the run's seed."""
+    if attack.name == "none":
+        return frozenset()
+    if attack.clients is not None:
+        bad = [c for c in attack.clients if not 0 <= c < num_clients]
+        if bad:
+            raise ConfigError(f"attack.clients: {bad} not in 0-{num_clients - 1}")
+        return frozenset(attack.clients)
+    k = round(attack.fraction * num_clients)
+    rng = np.random.default_rng(derive_seed(seed, 0xBAD))
+    return frozenset(int(c) for c in rng.choice(num_clients, size=k, replace=False))
+
+
+def _byzantine(defence: DefenceSection, attack: AttackSection, per_round: int) -> int:
+    frac = defence.byzantine_fraction if defence.byzantine_fraction is not None else attack.fraction
+    name = defence.name
+    if name in FRACTION_RULES:
+        if frac >= 0.5:
+            raise ConfigError(
+                f"defence.byzantine_fraction={frac}: {name} tolerates less than 0.5; allowed: [0, 0.5)"
+            )
+        f = math.ceil(frac * per_round)
+        a, b = FRACTION_RULES[name]
+        if per_round < a * f + b:
+            raise ConfigError(
+                f"defence.name={name}: needs clients per round m >= {a}f + {b}; m = {per_round}, f = {f} "
+                f"(byzantine_fraction {frac}); sample more clients or assume fewer attackers"
+            )
+        return f
+    return 0
+
+
+def _check_defence(defence: DefenceSection) -> None:
+    if defence.name == "trimmed_mean" and not defence.beta < 0.5:
+        raise ConfigError(
+            f"defence.beta={defence.beta}: trimmed_mean trims less than half; allowed: [0, 0.5)"
+        )
+    if defence.name == "norm_bound" and (defence.max_norm is None or defence.max_norm <= 0):
+        raise ConfigError(f"defence.max_norm={defence.max_norm}: norm_bound needs a positive bound, e.g. 1.0")
+
+
+def _check_privacy(privacy: PrivacySection, defence: DefenceSection) -> None:
+    if privacy.mechanism == "none":
+        return
+    if privacy.clip <= 0:
+        raise ConfigError(f"privacy.clip={privacy.clip}: the clip norm must be > 0")
+    if privacy.delta is None or not 0 < privacy.delta < 1:
+        raise ConfigError(f"privacy.delta={privacy.delta}: give δ in (0, 1), e.g. 1e-5 or 1/num_clients")
+    if (privacy.noise_multiplier is None) == (privacy.target_epsilon is None):
+        raise ConfigError("privacy: give exactly one of noise_multiplier and target_epsilon")
+    if privacy.target_epsilon is not None and privacy.target_epsilon <= 0:
+        raise ConfigError(f"privacy.target_epsilon={privacy.target_epsilon}: must be > 0")
+    if privacy.adaptive is not None and privacy.mechanism != "central":
+        raise ConfigError("privacy.adaptive: adaptive clipping needs privacy.mechanism=central")
+    if defence.name != "mean":
+        raise ConfigError(
+            f"defence.name={defence.name} with privacy: a robust rule changes the sensitivity the accountant "
+            "assumes; allowed with privacy: mean (clipping already bounds every update)"
+        )
+
+
+def _noise_and_epsilons(
+    privacy: PrivacySection, n: int, m: int, rounds: int
+) -> tuple[float, tuple[float, ...]]:
+    """The update noise multiplier and ε after each round (one line naming the key when impossible)."""
+    if privacy.mechanism == "none":
+        return 0.0, ()
+    if importlib.util.find_spec("dp_accounting") is None:
+        raise ConfigError(
+            "privacy: the 'dp-accounting' package is not installed; pip install 'fedskew[privacy]'"
+        )
+    from fedskew.algorithms.security import accounting
+
+    local = privacy.mechanism == "local"
+    assert privacy.delta is not None
+    try:
+        z = privacy.noise_multiplier
+        if z is None:
+            assert privacy.target_epsilon is not None
+            z = accounting.noise_for_epsilon(privacy.target_epsilon, privacy.delta, n, m, rounds, local=local)
+        curve = accounting.epsilon_curve(n, m, z, rounds, privacy.delta, local=local)
+        if privacy.adaptive is not None:  # the update noise that leaves the effective z (Andrew et al. §3.1)
+            z = accounting.update_noise_for(z, count_noise(privacy.adaptive, m))
+    except ValueError as err:
+        where = "privacy.adaptive.count_noise" if "count_noise" in str(err) else "privacy"
+        raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
+    return float(z), tuple(curve)
+
+
+def count_noise(adaptive: AdaptiveClip, per_round: int) -> float:
+    """σ_b, the std of the noise on the count of clipped clients (default m / 20, Andrew et al. §4)."""
+    return adaptive.count_noise if adaptive.count_noise is not None else per_round / 20
+
+
+def security_plan(
+    attack: AttackSection,
+    defence: DefenceSection,
+    privacy: PrivacySection,
+    *,
+    num_clients: int,
+    per_round: int,
+    rounds: int,
+    seed: int,
+) -> SecurityPlan:
+    """Resolve and check the three sections for a federation (raises :class:`ConfigError`)."""
+    if attack.name != "none" and attack.clients is None and attack.fraction <= 0:
+        raise ConfigError(f"attack.name={attack.name}: give attack.fraction in (0, 1] or attack.clients")
+    _check_defence(defence)
+    _check_privacy(privacy, defence)
+    noise, eps = _noise_and_epsilons(privacy, num_clients, per_round, rounds)
+    return SecurityPlan(
+        attack, defence, privacy, malicious_clients(attack, num_clients, seed), per_round, num_clients,
+        _byzantine(defence, attack, per_round), noise, eps,
+    )  # fmt: skip
+
+
+def check_algorithm(
+    name: str,
+    mean_aggregation: bool,
+    heterogeneous: bool,
+    eligible: list[str],
+    sections: tuple[AttackSection, DefenceSection, PrivacySection],
+) -> None:
+    """Refuse (one line) a method whose uploads robust rules, DP clipping or update attacks cannot handle:
+    its aggregation is not a mean of uploads (prototypes, class statistics), or its clients' models differ."""
+    attack, defence, privacy = sections
+    what = [
+        label
+        for label, on in (
+            (f"attack.name={attack.name}", attack.name in UPDATE_ATTACKS),
+            (f"defence.name={defence.name}", defence.name != "mean"),
+            (f"privacy.mechanism={privacy.mechanism}", privacy.mechanism != "none"),
+        )
+        if on
+    ]
+    if what and not mean_aggregation:
+        raise ConfigError(
+            f"{what[0]}: algorithm '{name}' does not aggregate a mean of model uploads, so its uploads "
+            f"cannot be bounded, replaced or robustly combined; allowed algorithms: {', '.join(eligible)}"
+        )
+    if what and heterogeneous:
+        raise ConfigError(
+            f"{what[0]}: clients with different architectures (model.per_client) upload "
+            "arrays of different shapes; allowed only with one architecture"
+        )

@@ -1,0 +1,259 @@
+"""An algorithm under a threat model: malicious clients, robust aggregation, client-level DP.
+
+:func:`secured` derives from a registered algorithm class a subclass that keeps every hook and capability
+of the method and adds, as declared by a :class:`~fedskew.algorithms.security.config.SecurityPlan`:
+
+* on the clients (every runtime: the embedded engine and Flower nodes build the same class):
+  data poisoning of the malicious clients' batches in ``local_loss`` (``label_flip``, ``backdoor``; the
+  flag travels in ``derived``, so the loss stays vmappable), and the local DP variant in ``finish_local``
+  (the client clips its update to C and adds N(0, (z·2C)²) itself);
+* on the server, before the method's own ``aggregate`` (so it composes with server optimizers):
+  model-poisoning of the malicious uploads (``sign_flip``, ``gaussian``, ``scaling``, ``alie``; a
+  simulation shortcut with the same effect as the client sending it), then either a robust rule
+  (:mod:`~fedskew.algorithms.security.robust`) or central DP-FedAvg (McMahan et al. 2018, Alg. 1):
+  each update clipped to C, the sum of the clipped updates plus N(0, (z·2C)² I) divided by the fixed
+  m, with adaptive quantile clipping (Andrew et al. 2021, Alg. 1) as an option.
+
+Updates are the uploads' floating arrays minus what the server broadcast for them (the global model for
+``model.*`` entries, 0 for arrays it does not send, e.g. SCAFFOLD's control-variate changes). A robust rule
+that *selects* (Krum, Multi-Krum) hands the method the selected uploads; a rule that *computes* a value
+(median, trimmed mean, Bulyan, geometric median) and central DP hand it every upload carrying that same
+value (their counts kept), so any method whose aggregation is a mean of the uploads
+(``Algorithm.mean_aggregation``) aggregates exactly the rule's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedskew.algorithms.base import (
+    Algorithm,
+    Batch,
+    LocalOutput,
+    LocalPlan,
+    LocalResult,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    ServerUpdate,
+    State,
+    Upload,
+)
+from fedskew.algorithms.security import attacks, robust
+from fedskew.algorithms.security.config import SecurityPlan, count_noise
+from fedskew.settings import DATA_ATTACKS, AttackSection
+
+MALICIOUS = "security.malicious"  # the derived flag of a malicious client (0-d float tensor)
+CLIP_KEY = "dp_clip"  # server state: the current clip norm (adaptive clipping)
+_NOISE_KEY, _ATTACK_KEY, _COUNT_KEY = 0xD9, 0xA7, 0xC0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How uploads flatten: the floating array names (sorted), their shapes and the reference values."""
+
+    keys: list[str]
+    shapes: list[torch.Size]
+    reference: Tensor  # [d]
+
+    @classmethod
+    def of(cls, upload: Upload, broadcast: Payload) -> Layout:
+        keys = sorted(k for k, v in upload.payload.arrays.items() if v.is_floating_point())
+        arrays = upload.payload.arrays
+        refs = [broadcast.arrays.get(k, torch.zeros_like(arrays[k])).reshape(-1) for k in keys]
+        ref = (
+            torch.cat([r.to(arrays[k].dtype) for r, k in zip(refs, keys, strict=True)])
+            if keys
+            else torch.zeros(0)
+        )
+        return cls(keys, [arrays[k].shape for k in keys], ref)
+
+    def deltas(self, uploads: list[Upload]) -> Tensor:
+        """``[n, d]``: each upload's arrays minus the reference."""
+        rows = [torch.cat([u.payload.arrays[k].reshape(-1) for k in self.keys]) for u in uploads]
+        return torch.stack(rows) - self.reference
+
+    def with_delta(self, upload: Upload, delta: Tensor, num_samples: int | None = None) -> Upload:
+        """A new upload whose floating arrays are ``reference + delta`` (other arrays and config kept)."""
+        flat, arrays, start = self.reference + delta, dict(upload.payload.arrays), 0
+        for k, shape in zip(self.keys, self.shapes, strict=True):
+            size = shape.numel()
+            arrays[k] = flat[start : start + size].reshape(shape)
+            start += size
+        payload = Payload(arrays, dict(upload.payload.config), dict(upload.payload.metrics))
+        n = upload.num_samples if num_samples is None else num_samples
+        return Upload(upload.cid, n, payload)
+
+
+#: a malicious client's update from its honest one: (Δ, attack section, its generator) -> Δ'
+_UPDATE_ATTACKS: dict[str, Callable[[Tensor, AttackSection, torch.Generator], Tensor]] = {
+    "sign_flip": lambda delta, a, gen: attacks.sign_flip(delta, a.scale),
+    "scaling": lambda delta, a, gen: attacks.scale_update(delta, a.scale),
+    "gaussian": lambda delta, a, gen: attacks.gaussian_update(delta, a.sigma, gen),
+}
+
+
+class SecuredAlgorithm(Algorithm):
+    """The hooks :func:`secured` adds in front of a method (it is mixed in before the method's class)."""
+
+    security: SecurityPlan
+
+    # ------------------------------------------------------------------ clients
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        plan = super().start_local(step)
+        if self.security.attack.name not in DATA_ATTACKS:
+            return plan
+        flag = torch.tensor(float(self.security.is_malicious(step.client.cid)), device=step.client.y.device)
+        return dataclasses.replace(plan, derived={**plan.derived, MALICIOUS: flag})
+
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        attack = self.security.attack
+        if attack.name in DATA_ATTACKS:
+            bad = step.derived[MALICIOUS]
+            if attack.name == "label_flip":
+                batch = dataclasses.replace(batch, y=attacks.flip_labels(batch.y, self.ctx.num_classes, bad))
+            else:
+                x, y = attacks.poison_batch(
+                    batch.x, batch.y, bad, attack.target, attack.trigger_size, attack.poison_fraction
+                )
+                batch = dataclasses.replace(batch, x=x, y=y)
+        return super().local_loss(step, batch)
+
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        out = super().finish_local(step, result)
+        privacy = self.security.privacy
+        if privacy.mechanism != "local":
+            return out
+        upload = Upload(step.client.cid, step.client.num_samples, out.upload)
+        layout = Layout.of(upload, step.payload)
+        clipped, _ = robust.clip_rows(layout.deltas([upload]), privacy.clip)
+        gen = step.info.generator(_NOISE_KEY)
+        noise = torch.randn(clipped.shape[1], generator=gen, dtype=clipped.dtype).to(clipped.device)
+        noisy = clipped[0] + self.security.noise * 2 * privacy.clip * noise
+        return dataclasses.replace(out, upload=layout.with_delta(upload, noisy).payload)
+
+    # ------------------------------------------------------------------ server
+    def init_server(self, model: Any) -> State:
+        server = super().init_server(model)
+        if self.security.privacy.adaptive is not None:
+            server = {
+                **server,
+                CLIP_KEY: torch.tensor(float(self.security.privacy.clip), dtype=torch.float64),
+            }
+        return server
+
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        plan = self.security
+        if not plan.touches_uploads or not uploads:
+            update = super().aggregate(server, uploads, info)
+            return self._with_privacy_metrics(update, info)
+        layout = Layout.of(uploads[0], self.broadcast(server, RoundInfo(info.round, None, info.seed)))
+        deltas = layout.deltas(uploads)
+        deltas = self._poison(deltas, uploads, info)
+        metrics: dict[str, float] = {}
+        if plan.privacy.mechanism == "central":
+            uploads, clip = self._central_dp(server, layout, deltas, uploads, info, metrics)
+            server = {**server, CLIP_KEY: clip} if CLIP_KEY in server else server
+        else:
+            uploads = self._defend(layout, deltas, uploads, metrics)
+        update = super().aggregate(server, uploads, info)
+        update = dataclasses.replace(update, metrics={**update.metrics, **metrics})
+        if CLIP_KEY in server:
+            update = dataclasses.replace(update, state={**update.state, CLIP_KEY: server[CLIP_KEY]})
+        return self._with_privacy_metrics(update, info)
+
+    def _with_privacy_metrics(self, update: ServerUpdate, info: RoundInfo) -> ServerUpdate:
+        eps = self.security.epsilons
+        if not eps:
+            return update
+        return dataclasses.replace(
+            update, metrics={**update.metrics, "epsilon": eps[min(info.round, len(eps)) - 1]}
+        )
+
+    def _poison(self, deltas: Tensor, uploads: list[Upload], info: RoundInfo) -> Tensor:
+        """The malicious clients' updates replaced as their attack says (simulation shortcut)."""
+        plan, attack = self.security, self.security.attack
+        bad = [i for i, u in enumerate(uploads) if plan.is_malicious(u.cid)]
+        if attack.name not in ("sign_flip", "gaussian", "scaling", "alie") or not bad:
+            return deltas
+        out = deltas.clone()
+        if attack.name == "alie":
+            z = attack.z if attack.z is not None else attacks.alie_z(len(uploads), len(bad))
+            out[bad] = attacks.alie(deltas[bad], z)
+            return out
+        for i in bad:
+            gen = RoundInfo(info.round, uploads[i].cid, info.seed).generator(_ATTACK_KEY)
+            out[i] = _UPDATE_ATTACKS[attack.name](deltas[i], attack, gen)
+        return out
+
+    def _defend(
+        self, layout: Layout, deltas: Tensor, uploads: list[Upload], metrics: dict[str, float]
+    ) -> list[Upload]:
+        d, f = self.security.defence, self.security.byzantine
+        if d.name == "mean":
+            return [layout.with_delta(u, row) for u, row in zip(uploads, deltas, strict=True)]
+        if d.name == "norm_bound":
+            assert d.max_norm is not None
+            clipped, within = robust.clip_rows(deltas, d.max_norm)
+            metrics["defence_clipped"] = float((~within).sum())
+            return [layout.with_delta(u, row) for u, row in zip(uploads, clipped, strict=True)]
+        if d.name in ("krum", "multi_krum"):
+            keep = 1 if d.name == "krum" else (d.select or len(uploads) - f)
+            chosen = robust.multi_krum(deltas, f, min(keep, len(uploads)))
+            metrics["defence_selected"] = float(len(chosen))
+            return [layout.with_delta(uploads[i], deltas[i]) for i in sorted(chosen)]
+        weights = torch.tensor([float(u.num_samples) for u in uploads], dtype=deltas.dtype)
+        rules: dict[str, Callable[[], Tensor]] = {
+            "median": lambda: robust.coordinate_median(deltas),
+            "trimmed_mean": lambda: robust.trimmed_mean(deltas, d.beta),
+            "bulyan": lambda: robust.bulyan(deltas, f),
+            "geomed": lambda: robust.geometric_median(deltas, weights, eps=d.eps, max_iter=d.max_iter),
+        }
+        value = rules[d.name]()
+        return [layout.with_delta(u, value) for u in uploads]
+
+    def _central_dp(
+        self,
+        server: State,
+        layout: Layout,
+        deltas: Tensor,
+        uploads: list[Upload],
+        info: RoundInfo,
+        metrics: dict[str, float],
+    ) -> tuple[list[Upload], Tensor]:
+        """DP-FedAvg: (Σ clip_C(Δ_k) + N(0, (z·2C)²)) / m, every upload carrying it with weight 1; with
+        adaptive clipping the next C from the noisy share of unclipped updates (Andrew et al. Alg. 1)."""
+        plan, privacy = self.security, self.security.privacy
+        clip = (
+            server[CLIP_KEY] if CLIP_KEY in server else torch.tensor(float(privacy.clip), dtype=torch.float64)
+        )
+        c = float(clip)
+        clipped, within = robust.clip_rows(deltas, c)
+        gen = RoundInfo(info.round, None, info.seed).generator(_NOISE_KEY)
+        noise = torch.randn(clipped.shape[1], generator=gen, dtype=clipped.dtype).to(clipped.device)
+        value = (clipped.sum(0) + plan.noise * 2 * c * noise) / plan.per_round
+        metrics.update(dp_clip=c, dp_unclipped=float(within.sum()) / len(uploads))
+        if privacy.adaptive is not None:
+            ad, m = privacy.adaptive, plan.per_round
+            count_gen = RoundInfo(info.round, None, info.seed).generator(_COUNT_KEY)
+            noisy = float(within.sum()) + count_noise(ad, m) * float(torch.randn((), generator=count_gen))
+            share = noisy / m
+            clip = clip * math.exp(-ad.lr * (share - ad.quantile))  # Andrew et al. Eq. (3): C ← C·e^{−η(b̃−γ)}
+        return [layout.with_delta(u, value, num_samples=1) for u in uploads], clip
+
+
+def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorithm]:
+    """``algorithm_cls`` under ``plan`` (itself when the plan does nothing): a subclass with the same name,
+    parameters and capabilities; a data attack adds ``derived`` to what its vmapped loss reads."""
+    if not plan.active:
+        return algorithm_cls
+    attrs: dict[str, Any] = {"security": plan, "__module__": __name__, "name": algorithm_cls.name}
+    if plan.attack.name in DATA_ATTACKS:
+        attrs["loss_reads"] = algorithm_cls.loss_reads | {"derived"}
+    return type(f"Secured{algorithm_cls.__name__}", (SecuredAlgorithm, algorithm_cls), attrs)
