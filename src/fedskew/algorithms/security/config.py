@@ -38,8 +38,18 @@ class SecurityPlan:
     per_round: int  # m: clients sampled a round
     num_clients: int
     byzantine: int  # f: malicious uploads a robust rule assumes per round
-    noise: float  # the update noise multiplier z actually used (0 without privacy)
-    epsilons: tuple[float, ...]  # ε after each round (privacy on)
+    rounds: int
+
+    @property
+    def noise(self) -> float:
+        """The update noise multiplier z actually used (0 without privacy); computed on first use (a
+        calibration to a target ε takes seconds, and a Flower node of a central-DP run never needs it)."""
+        return _noise_and_epsilons(self.privacy, self.num_clients, self.per_round, self.rounds)[0]
+
+    @property
+    def epsilons(self) -> tuple[float, ...]:
+        """ε after each round (empty without privacy)."""
+        return _noise_and_epsilons(self.privacy, self.num_clients, self.per_round, self.rounds)[1]
 
     @property
     def active(self) -> bool:
@@ -168,10 +178,11 @@ def security_plan(
         raise ConfigError(f"attack.name={attack.name}: give attack.fraction in (0, 1] or attack.clients")
     _check_defence(defence)
     _check_privacy(privacy, defence)
-    noise, eps = _noise_and_epsilons(privacy, num_clients, per_round, rounds)
+    if privacy.adaptive is not None and privacy.noise_multiplier is not None:  # z known: check σ_b now
+        _noise_and_epsilons(privacy, num_clients, per_round, rounds)
     return SecurityPlan(
         attack, defence, privacy, malicious_clients(attack, num_clients, seed), per_round, num_clients,
-        _byzantine(defence, attack, per_round), noise, eps,
+        _byzantine(defence, attack, per_round), rounds,
     )  # fmt: skip
 
 
