@@ -7,6 +7,7 @@ Every check that can fail is here, with a one-line error naming the key and the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ def _check_privacy(privacy: PrivacySection, defence: DefenceSection) -> None:
         )
 
 
+@functools.lru_cache(maxsize=16)  # per process: the plan asks on every round
 def _noise_and_epsilons(
     privacy: PrivacySection, n: int, m: int, rounds: int
 ) -> tuple[float, tuple[float, ...]]:
