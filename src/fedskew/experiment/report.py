@@ -166,6 +166,13 @@ def plot_accuracy(
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, ax, path, title)
+
+
+def save_figure(fig: Any, ax: Any, path: str | Path, title: str = "") -> Path:
+    """Title (if any), tight layout, a PNG at 110 dpi, and the figure closed: every report figure ends so."""
+    import matplotlib.pyplot as plt
+
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()

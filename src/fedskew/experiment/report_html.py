@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from fedskew.experiment.fairness import client_accuracies
-from fedskew.experiment.report import Group, Paired
+from fedskew.experiment.report import Group, Paired, save_figure
 from fedskew.experiment.report_tables import Table
 
 
@@ -47,13 +47,7 @@ def plot_client_accuracy(groups: list[Group], path: str | Path, title: str = "")
     ax.set_xticks(positions, labels, fontsize=7)
     ax.set_ylabel("final per-client test accuracy (%)")
     ax.grid(alpha=0.3, axis="y")
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, ax, path, title)
 
 
 def table_html(table: Table) -> str:
