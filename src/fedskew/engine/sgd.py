@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 
-@torch.no_grad()
 def sgd_directions(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -30,7 +29,9 @@ def sgd_directions(
     weight_decay: float,
 ) -> list[Tensor]:
     """The step directions ``b`` of the rule above; ``buffers`` (one per parameter, ``None`` before the
-    first step) are updated in place or adopted, and the directions returned are those buffers."""
+    first step) are updated in place or adopted, and the directions returned are those buffers. Callers
+    hold ``torch.no_grad()`` (one context per step, not one per helper: a step of a small model is
+    microseconds)."""
     grads = list(grads)
     if weight_decay:
         grads = list(torch._foreach_add(grads, list(params), alpha=weight_decay))
@@ -49,9 +50,9 @@ def sgd_directions(
     return [b for b in buffers if b is not None]
 
 
-@torch.no_grad()
 def apply_step(params: Sequence[Tensor], directions: Sequence[Tensor], lr: float | Tensor) -> None:
-    """``p ← p − lr · b`` in place; ``lr`` a float, or a ``[K]`` tensor: one rate per stacked client."""
+    """``p ← p − lr · b`` in place (under the caller's ``torch.no_grad()``); ``lr`` a float, or a ``[K]``
+    tensor: one rate per stacked client."""
     if isinstance(lr, Tensor):
         for p, d in zip(params, directions, strict=True):
             p.sub_(lr.view(-1, *[1] * (d.dim() - 1)) * d)

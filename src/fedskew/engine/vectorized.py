@@ -313,11 +313,11 @@ class _Chunk:
         grads, losses = self.step_fn(train, frozen, x, y, *stacks, scratch, spec.epoch, spec.last)
         bufs: list[Tensor | None] = [take(momentum[n]) for n in trainable] if spec.momentum else []
         params = [train[n] for n in trainable]
-        directions = sgd_directions(
-            params, [grads[n] for n in trainable], bufs, spec.momentum, self.rt.client.weight_decay
-        )
-        apply_step(params, directions, lr if not isinstance(lr, Tensor) else take(lr))
         with torch.no_grad():
+            directions = sgd_directions(
+                params, [grads[n] for n in trainable], bufs, spec.momentum, self.rt.client.weight_decay
+            )
+            apply_step(params, directions, lr if not isinstance(lr, Tensor) else take(lr))
             for n, p, b in zip(trainable, params, bufs or [None] * len(params), strict=True):
                 if sel is None:
                     continue  # ``train`` and the buffers are the stacked tensors themselves
