@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fedskew.experiment.fairness import client_accuracies
 from fedskew.experiment.report import Group, Paired, save_figure
-from fedskew.experiment.report_tables import Table
+from fedskew.experiment.report_tables import Table, label_parts
 
 
 def final_client_accuracies(group: Group) -> list[float]:
@@ -56,8 +56,10 @@ def table_html(table: Table) -> str:
     rows = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
     best = [table.best(j) for j in range(len(table.columns))]
     for i, g in enumerate(table.groups):
-        parts = ([*g.label.split(" | "), "", "", ""])[:3]
-        cells = [html.escape(p) for p in parts] + [str(len(g.runs)), str(g.runs[0].summary["rounds"])]
+        cells = [html.escape(p) for p in label_parts(g)] + [
+            str(len(g.runs)),
+            str(g.runs[0].summary["rounds"]),
+        ]
         for j, (cell, col) in enumerate(zip(table.cells[i], table.columns, strict=True)):
             text = html.escape(cell.text(col))
             text = f"<b>{text}</b>" if i in best[j] else text

@@ -181,7 +181,8 @@ def markdown_table(groups: list[Group]) -> str:
     return render_markdown(build_table(groups, list(DEFAULT_COLUMNS)))
 
 
-def _label_parts(group: Group) -> list[str]:
+def label_parts(group: Group) -> list[str]:
+    """A group's label as (algorithm, data, model)."""
     parts = group.label.split(" | ")
     return ([*parts, "", "", ""])[:3]
 
@@ -230,7 +231,7 @@ def render_latex(table: Table, caption: str = "", baseline: Group | None = None)
             if table.marks.get((i, j)):
                 text += r"$^\dagger$"
             cells.append(text)
-        parts = [latex_escape(p) for p in _label_parts(g)]
+        parts = [latex_escape(p) for p in label_parts(g)]
         lines.append(" & ".join([*parts, str(len(g.runs)), *cells]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     note = caption or "Final-round metrics, mean $\\pm$ std over seeds; best in bold."
@@ -253,7 +254,7 @@ def render_csv(table: Table) -> str:
         head += [f"{c.key}_mean", f"{c.key}_std", f"{c.key}_n"]
     writer.writerow(head)
     for i, g in enumerate(table.groups):
-        row: list[object] = [*[p.strip() for p in _label_parts(g)], g.detail, len(g.runs)]
+        row: list[object] = [*[p.strip() for p in label_parts(g)], g.detail, len(g.runs)]
         for cell in table.cells[i]:
             row += [_num(cell.mean), _num(cell.std) if len(cell.values) > 1 else "", len(cell.values)]
         writer.writerow(row)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import Config, LogSection, MlflowLog, WandbLog, flatten_config
-from fedskew.experiment.fairness import client_fairness
+from fedskew.experiment.fairness import client_accuracies, client_fairness
 from fedskew.registry import Registry
 
 log = logging.getLogger("fedskew.tracking")
@@ -69,7 +69,7 @@ def round_scalars(record: dict[str, Any]) -> tuple[dict[str, float], list[float]
         for k, v in record.items()
         if k != "round" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     }
-    clients = [float(a) for a in record.get("accuracy_clients") or [] if a is not None]
+    clients = client_accuracies(record)
     if clients:
         scalars.update(client_fairness(clients))
     return scalars, clients

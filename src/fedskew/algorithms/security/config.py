@@ -58,11 +58,12 @@ class SecurityPlan:
 
     @property
     def touches_uploads(self) -> bool:
-        """Whether the server changes uploads before the algorithm aggregates them."""
+        """Whether the server changes uploads before the algorithm aggregates them (local DP acts on the
+        clients)."""
         return (
             self.attack.name in UPDATE_ATTACKS
             or self.defence.name != "mean"
-            or self.privacy.mechanism != "none"
+            or self.privacy.mechanism == "central"
         )
 
     def is_malicious(self, cid: int | None) -> bool:

@@ -47,7 +47,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.security import attacks, robust
 from fedskew.algorithms.security.config import SecurityPlan, count_noise
-from fedskew.settings import DATA_ATTACKS, AttackSection
+from fedskew.settings import DATA_ATTACKS, UPDATE_ATTACKS, AttackSection
 
 MALICIOUS = "security.malicious"  # the derived flag of a malicious client (0-d float tensor)
 CLIP_KEY = "dp_clip"  # server state: the current clip norm (adaptive clipping)
@@ -180,7 +180,7 @@ class SecuredAlgorithm(Algorithm):
         """The malicious clients' updates replaced as their attack says (simulation shortcut)."""
         plan, attack = self.security, self.security.attack
         bad = [i for i, u in enumerate(uploads) if plan.is_malicious(u.cid)]
-        if attack.name not in ("sign_flip", "gaussian", "scaling", "alie") or not bad:
+        if attack.name not in UPDATE_ATTACKS or not bad:
             return deltas
         out = deltas.clone()
         if attack.name == "alie":
@@ -196,8 +196,11 @@ class SecuredAlgorithm(Algorithm):
         self, layout: Layout, deltas: Tensor, uploads: list[Upload], metrics: dict[str, float]
     ) -> list[Upload]:
         d, f = self.security.defence, self.security.byzantine
-        if d.name == "mean":
-            return [layout.with_delta(u, row) for u, row in zip(uploads, deltas, strict=True)]
+        if d.name == "mean":  # the method's own mean: only the poisoned uploads change
+            bad = self.security.is_malicious
+            return [
+                layout.with_delta(u, r) if bad(u.cid) else u for u, r in zip(uploads, deltas, strict=True)
+            ]
         if d.name == "norm_bound":
             assert d.max_norm is not None
             clipped, within = robust.clip_rows(deltas, d.max_norm)
