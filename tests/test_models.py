@@ -13,7 +13,7 @@ from fedskew.models import MODELS, count_parameters
 
 EXPECTED_NAMES = {
     "mlp_mpfedcl", "cnn_fedproto", "cnn_mnist", "cnn_cifar", "lenet5", "resnet8", "resnet18", "vgg11",
-    "identity",
+    "identity", "cnn_fedbn",
 }  # fmt: skip
 
 # (name, input shape, classes, options, parameter count, source of the number)
@@ -31,6 +31,9 @@ COUNTS = [
     ("resnet18", (3, 32, 32), 10, {"stem": "imagenet"}, 11_181_642, "FedProto ResNet18, ImageNet stem"),
     ("resnet18", (3, 32, 32), 10, {}, 11_181_642 - 64 * 3 * (49 - 9), "CIFAR stem: 3x3 instead of 7x7"),
     ("vgg11", (3, 32, 32), 100, {"batch_norm": False}, 9_797_092, "FedEnt CIFAR-100 VGG-11 (no BN)"),
+    ("cnn_fedbn", (3, 28, 28), 10, {}, 14_219_210, "FedBN DigitModel: convs + FC 6,272-2,048-512-10 + BN"),
+    ("cnn_fedbn", (3, 28, 28), 10, {"batch_norm": False}, 14_219_210 - 2 * (64 + 64 + 128 + 2048 + 512),
+     "FedBN DigitModel without its BN layers"),
     ("vgg11", (3, 32, 32), 100, {}, 9_797_092 + 2 * (64 + 128 + 2 * 256 + 4 * 512), "VGG-11 + BN"),
 ]
 

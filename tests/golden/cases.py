@@ -25,6 +25,7 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 from tests.conftest import VL_WORLD, digits_config
 from tests.golden import isa
+from tests.test_contract import BATCHNORM_METHODS, TINY_BN_CNN
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results.json"
@@ -71,6 +72,8 @@ def case_config(name: str) -> dict[str, Any]:
             "embed_dim": 32,
             "per_client": {"0-1": {"hidden": 48}, "2-3": {"hidden": 80}},
         }
+    elif alg in BATCHNORM_METHODS:  # BatchNorm layers are the method's point
+        cfg["model"] = TINY_BN_CNN
     elif ALGORITHMS.get(alg).vision_language:  # heads over frozen-backbone features
         cfg["data"]["vision_language"] = VL_WORLD
         cfg["model"] = {"name": "identity"}

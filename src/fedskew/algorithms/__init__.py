@@ -2,12 +2,19 @@
 
 from fedskew.algorithms import (  # noqa: F401
     cachefl,
+    ccvr,
     clip_baselines,
     fedavg,
+    fedbn,
     fedcos,
+    feddecorr,
     feddyn,
     fedent,
+    fedgen,
+    fedlc,
     fednh,
+    fednova,
+    fedntd,
     fedopt,
     fedper,
     fedproto,
@@ -18,6 +25,7 @@ from fedskew.algorithms import (  # noqa: F401
     local,
     moon,
     mpfedcl,
+    qfedavg,
     scaffold,
 )
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, HyperParams, Payload

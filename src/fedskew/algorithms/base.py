@@ -186,8 +186,9 @@ class Algorithm:
     #: is averaged across clients' models
     heterogeneous_models: ClassVar[bool] = False
     #: ``aggregate`` is a (weighted) mean of the uploads' floating arrays, followed by server steps that see
-    #: the uploads only through that mean and their count: robust rules, central DP and model-poisoning
-    #: attacks may then hand it changed uploads (``fedskew.algorithms.security``)
+    #: the uploads only through that mean, their count and the scalars they report in ``config`` (sample
+    #: counts, FedNova's ‖a_i‖₁), which robust rules and DP leave as sent: robust rules, central DP and
+    #: model-poisoning attacks may then hand it changed uploads (``fedskew.algorithms.security``)
     mean_aggregation: ClassVar[bool] = False
     #: the method runs on frozen-backbone features and needs ``data.vision_language`` in the config
     vision_language: ClassVar[bool] = False

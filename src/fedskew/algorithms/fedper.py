@@ -71,15 +71,25 @@ class FedPer(Algorithm):
 
     p: Params
 
+    #: what the personal layers are, for error messages
+    personal_what: ClassVar[str] = "head"
+
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
         # The split, from the global architecture (the same on every process of the run).
         model = ctx.model_template(None)
-        self.personal = frozenset(personal_names(model, self.p.personal))
-        if not self.personal or len(self.personal) == len(model.state_dict()):
+        self.personal = frozenset(self.personal_layers(model))
+        if len(self.personal) == len(model.state_dict()):
+            raise ConfigError(f"{self.name}: every layer of this model would be personal; nothing is shared")
+
+    def personal_layers(self, model: nn.Module) -> set[str]:
+        """State-dict names of the layers that never leave the client."""
+        names = personal_names(model, self.p.personal)
+        if not names:
             raise ConfigError(
-                f"{self.name}: personal={self.p.personal} leaves no shared or no personal layer in this model"
+                f"{self.name}: personal={self.p.personal} leaves no personal layer in this model"
             )
+        return names
 
     def is_personal(self, name: str) -> bool:
         return name in self.personal
@@ -98,7 +108,9 @@ class FedPer(Algorithm):
 
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError(f"{self.name} has no global head to evaluate; set eval.protocol=personalized")
+            raise ConfigError(
+                f"{self.name} has no global {self.personal_what} to evaluate; set eval.protocol=personalized"
+            )
         return {**payload.model_state(), **state["personal"]}
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:

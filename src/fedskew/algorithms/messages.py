@@ -36,10 +36,14 @@ class Payload:
         sample counts sent as integer tensors are metadata and not counted)."""
         return sum(t.numel() for t in self.arrays.values() if t.is_floating_point())
 
+    def prefixed(self, prefix: str) -> dict[str, Tensor]:
+        """The arrays whose names start with ``prefix``, with the prefix stripped (no copies)."""
+        n = len(prefix)
+        return {k[n:]: v for k, v in self.arrays.items() if k.startswith(prefix)}
+
     def model_state(self) -> dict[str, Tensor]:
         """The model entries, with :data:`MODEL_PREFIX` stripped."""
-        n = len(MODEL_PREFIX)
-        return {k[n:]: v for k, v in self.arrays.items() if k.startswith(MODEL_PREFIX)}
+        return self.prefixed(MODEL_PREFIX)
 
     def is_finite(self) -> bool:
         """No NaN / Inf in arrays or config. A finite sum implies finite elements (NaN and Inf propagate), so

@@ -1,5 +1,5 @@
 """SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh 2020, "SCAFFOLD: Stochastic Controlled Averaging
-for Federated Learning", ICML), Algorithm 1 with option II.
+for Federated Learning", ICML), Algorithm 1 with option II (default) or option I.
 
 Client i receives (x, c), sets y_i ← x and takes K steps ``y_i ← y_i − η_l (g_i(y_i) − c_i + c)``; we write
 the correction as the loss term ``⟨c − c_i, y⟩`` whose gradient is ``c − c_i``, so the engine's optimizer
@@ -8,18 +8,31 @@ performs exactly that step. Then (option II)
     c_i⁺ = c_i − c + (x − y_i) / (K η_l),      upload Δy_i = y_i − x,  Δc_i = c_i⁺ − c_i,
 
 and the server updates ``x ← x + η_g (1/|S|) Σ Δy_i`` and ``c ← c + (|S|/N) (1/|S|) Σ Δc_i``.
+
+Option I (``control_update: I``, line 12) sets ``c_i⁺ = g_i(x)``: the gradient of the client's loss at the
+server model x, from an additional pass over its training data (the mean cross-entropy over all its samples,
+in batches of ``client.batch_size``, plus ``weight_decay · x``: the gradient the local SGD steps use, which
+option II's estimate includes too). It is computed on copies (``torch.func.functional_call``) in training
+mode (BatchNorm batch statistics, as in the local steps; dropout from a seed derived from the round and
+client); a client without training data keeps its c_i.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     Batch,
+    ClientView,
     HyperParams,
     LocalOutput,
     LocalResult,
@@ -37,16 +50,40 @@ from fedskew.algorithms.base import (
 CONTROL_PREFIX = "control."
 #: scratch prefix of the per-parameter correction ``c − c_i``
 CORRECTION_PREFIX = "correction."
+_GRADIENT_KEY = 0x5CA1  # the generator stream seeding dropout in option I's gradient pass
 
 
-def _controls(payload: Payload) -> dict[str, Tensor]:
-    n = len(CONTROL_PREFIX)
-    return {k[n:]: v for k, v in payload.arrays.items() if k.startswith(CONTROL_PREFIX)}
+
+def full_gradient(
+    model: nn.Module, weights: Mapping[str, Tensor], client: ClientView, batch_size: int, seed: int
+) -> dict[str, Tensor]:
+    """∇ of the mean cross-entropy over the client's training data at ``weights`` (parameters and
+    buffers), in batches, in training mode; neither ``model`` nor ``weights`` changes (BatchNorm updates
+    copies of the buffers; dropout draws from ``seed`` inside a forked RNG)."""
+    params = {n: weights[n].detach().clone().requires_grad_(True) for n, _ in model.named_parameters()}
+    buffers = {n: weights[n].detach().clone() for n, _ in model.named_buffers() if n in weights}
+    grads = {n: torch.zeros_like(p) for n, p in params.items()}
+    n, was_training = client.num_samples, model.training
+    devices = [client.x.device] if client.x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model.train()
+        try:
+            for start in range(0, n, batch_size):
+                out = functional_call(model, {**params, **buffers}, (client.x[start : start + batch_size],))
+                loss = F.cross_entropy(out, client.y[start : start + batch_size], reduction="sum") / n
+                parts = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+                for name, g in zip(params, parts, strict=True):
+                    if g is not None:
+                        grads[name] += g
+        finally:
+            model.train(was_training)
+    return grads
 
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(Algorithm):
-    """SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct client drift."""
+    """SCAFFOLD (Karimireddy et al. 2020, option II or I): control variates correct client drift."""
 
     mean_aggregation = True
 
@@ -56,6 +93,12 @@ class Scaffold(Algorithm):
     class Params(HyperParams):
         server_lr: float = Field(
             1.0, gt=0.0, description="global step size η_g (source: Karimireddy et al. 2020 §7, η_g = 1)"
+        )
+        control_update: Literal["II", "I"] = Field(
+            "II",
+            description="control-variate update c_i⁺ (source: Karimireddy et al. 2020 Alg. 1 line 12): "
+            "'II' c_i − c + (x − y_i)/(Kη_l), the cheaper one; 'I' g_i(x), the client's full-data gradient "
+            "at x (one extra pass over its data)",
         )
 
     p: Params
@@ -76,7 +119,7 @@ class Scaffold(Algorithm):
 
     def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         """The correction ``c − c_i``, fixed during local training (Algorithm 1 line 10)."""
-        c = _controls(step.payload)
+        c = step.payload.prefixed(CONTROL_PREFIX)
         return {CORRECTION_PREFIX + n: c[n] - ci for n, ci in step.state["c"].items()}
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
@@ -85,10 +128,12 @@ class Scaffold(Algorithm):
         return loss + sum(terms[1:], terms[0])
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
-        x, c = step.payload.model_state(), _controls(step.payload)
+        x, c = step.payload.model_state(), step.payload.prefixed(CONTROL_PREFIX)
         y = dict(step.model.named_parameters())
         c_old = step.state["c"]
-        if result.steps > 0:
+        if self.p.control_update == "I":
+            c_new = self._gradient_at_server(step) if step.client.num_samples > 0 else dict(c_old)
+        elif result.steps > 0:
             denom = result.steps * result.lr  # K η_l with K the local steps actually taken
             c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
         else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
@@ -98,12 +143,21 @@ class Scaffold(Algorithm):
         upload.arrays.update({CONTROL_PREFIX + n: c_new[n] - c_old[n] for n in c_old})
         return LocalOutput(upload, {**step.state, "c": c_new})
 
+    def _gradient_at_server(self, step: LocalStep) -> dict[str, Tensor]:
+        """Option I: c_i⁺ = g_i(x) + weight_decay · x (the gradient the engine's SGD steps follow)."""
+        x = step.payload.model_state()
+        gen = step.info.generator(_GRADIENT_KEY)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        grads = full_gradient(step.model, x, step.client, self.ctx.client.batch_size, seed)
+        wd = self.ctx.client.weight_decay
+        return {n: g + wd * x[n] for n, g in grads.items()} if wd else grads
+
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         x = server["weights"]
         n = len(uploads)
         uniform = torch.full((n,), 1.0 / n)  # the paper averages uniformly over the sampled set S
         mean_y = weighted_average([u.payload.model_state() for u in uploads], uniform)
-        mean_dc = weighted_average([_controls(u.payload) for u in uploads], uniform)
+        mean_dc = weighted_average([u.payload.prefixed(CONTROL_PREFIX) for u in uploads], uniform)
         new = dict(mean_y)  # buffers: the plain mean over participants
         controls = {}
         for name, c in server["c"].items():

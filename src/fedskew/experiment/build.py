@@ -18,6 +18,7 @@ from fedskew.algorithms.security.config import SecurityPlan, security_plan
 from fedskew.algorithms.security.secured import secured
 from fedskew.data.base import DATASETS, resolve_root
 from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.noise import with_feature_noise
 from fedskew.engine.assembly import ClientMeta, ModelSpec, client_data, construct_algorithm, initial_server
 from fedskew.engine.device import resolve_device
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator, RoundEvaluator
@@ -77,6 +78,7 @@ def build_data(cfg: Config) -> FederatedData:
         shots=cfg.data.shots,
         val_shots=cfg.data.val_shots,
     )
+    fed = with_feature_noise(fed, cfg.data.feature_noise)
     vl = cfg.data.vision_language
     if vl is not None:
         fed = vision_language_data(fed, vision_language_spec(vl), root)

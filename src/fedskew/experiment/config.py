@@ -84,6 +84,9 @@ class DataConfig(Strict):
     train_limit: int | None = Field(
         None, ge=1, description="partition only the first n training samples (MP-FedCL's 2,000 MNIST images)"
     )
+    feature_noise: float = Field(
+        0.0, ge=0.0, description="NIID-Bench's noise feature skew: client i's inputs + N(0, (σ·i/(N−1))²)"
+    )
     shots: int | None = Field(
         None, ge=1, description="partition only K seeded training samples per class (CacheFL's 16 shots)"
     )

@@ -41,6 +41,18 @@ class FedModel(nn.Module):
         return name.startswith(self.head_prefix)
 
 
+class HeadView(nn.Module):
+    """``model.head`` as a module's forward, so ``torch.func.functional_call`` can substitute head weights
+    (FedGen's ensemble of clients' heads, CCVR's head re-training)."""
+
+    def __init__(self, model: FedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.model.head(z)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
