@@ -137,6 +137,7 @@ def main(root: Path) -> None:
         if (root / folder).is_dir():
             print(f"### {heading}\n\n{selection_table(root / folder, baseline)}\n")
             if folder == "fedbn-digits":
+                print(f"Against FedBN:\n\n{selection_table(root / folder, 'fedbn')}\n")
                 print(
                     f"Per domain (test accuracy, %, mean over seeds):\n\n{per_client_table(root / folder)}\n"
                 )
