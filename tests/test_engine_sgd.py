@@ -46,3 +46,16 @@ def test_sgd_step_by_hand():
     # step 1: g = [2.1, 3.8], b = g, p = [1 - 1.05, -2 - 1.9] = [-0.05, -3.9]
     # step 2: g = [2 - 0.005, 4 - 0.39] = [1.995, 3.61], b = 0.5·[2.1, 3.8] + g = [3.045, 5.51]
     assert torch.allclose(p.detach(), torch.tensor([-0.05 - 1.5225, -3.9 - 2.755]), atol=1e-6)
+
+
+def test_epoch_batches_drop_only_a_trailing_single_sample_and_keep_batch_size_one():
+    from fedskew.algorithms.batching import batches_per_epoch, epoch_batches
+
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    assert [len(b) for b in epoch_batches(7, 3, g, cpu)] == [3, 3]  # the trailing single sample is dropped
+    assert [len(b) for b in epoch_batches(5, 1, g, cpu)] == [1, 1, 1, 1, 1]  # batch size 1 trains
+    assert [len(b) for b in epoch_batches(1, 4, g, cpu)] == [1]  # one sample: one batch
+    assert epoch_batches(0, 4, g, cpu) == []
+    for n, bs in [(7, 3), (5, 1), (1, 4), (0, 4), (64, 32), (65, 32), (66, 32)]:
+        assert batches_per_epoch(n, bs) == len(epoch_batches(n, bs, g, cpu)), (n, bs)

@@ -25,6 +25,7 @@ from fedskew.algorithms.base import (
     load_state,
     model_arrays,
 )
+from fedskew.algorithms.batching import epoch_batches
 from fedskew.algorithms.ccvr import CCVR, class_statistics, combine_statistics, sample_virtual
 from fedskew.algorithms.fedgen import (
     GEN_PREFIX,
@@ -37,7 +38,6 @@ from fedskew.algorithms.fedgen import (
     local_steps,
     teacher_loss,
 )
-from fedskew.engine.schedule import epoch_batches
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment

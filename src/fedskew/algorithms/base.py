@@ -13,7 +13,10 @@ The hooks, by side (docs/design.md has the table):
 * client: ``init_client(cid)``, ``model_weights(payload, state)``, and four hooks over one
   :class:`LocalStep` value (model, payload, state, client data, round, per-round ``derived`` channel,
   ``scratch``): ``start_local(step)`` → :class:`LocalPlan`, ``init_scratch(step)``,
-  ``local_loss(step, batch)``, ``finish_local(step, result)`` → :class:`LocalOutput`;
+  ``local_loss(step, batch)``, ``finish_local(step, result)`` → :class:`LocalOutput`. The runtime loads
+  ``model_weights`` (no data access) before ``start_local``, and the plan's optional ``start_weights``
+  (weights that depend on the client's data: FedALA, FedFomo) after it, before ``init_scratch``: local
+  training starts from those;
 * evaluation: ``eval_weights(payload, state)``, ``predict(model, x, payload, state)``;
 * construction: ``prepare_model(model)``.
 
@@ -241,7 +244,10 @@ class Algorithm:
 
     def start_local(self, step: LocalStep) -> LocalPlan:
         """Plan local training (``step.model`` already holds :meth:`model_weights`; read it, do not change
-        it); what the plan's ``derived`` holds reaches the later hooks as ``step.derived``."""
+        it); what the plan's ``derived`` holds reaches the later hooks as ``step.derived``. Where the weights
+        training starts from depend on the client's data, return them as the plan's ``start_weights`` (a
+        subset of the model state's keys): the runtime loads them into ``step.model`` after this hook and
+        before :meth:`init_scratch`, in every engine mode."""
         return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=self.ctx.client.lr)])
 
     def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:

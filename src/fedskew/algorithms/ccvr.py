@@ -120,7 +120,6 @@ def sample_virtual(
     return torch.cat(feats), torch.cat(labels)
 
 
-
 def retrain_head(
     view: nn.Module,
     head: dict[str, Tensor],

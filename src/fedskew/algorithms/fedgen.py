@@ -66,6 +66,7 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.batching import batches_per_epoch
 from fedskew.models.base import FedModel, HeadView
 from fedskew.seeding import derive_seed
 
@@ -89,7 +90,6 @@ class Generator(nn.Module):
     def forward(self, eps: Tensor, y: Tensor) -> Tensor:
         onehot = F.one_hot(y, self.num_classes).to(eps.dtype)
         return self.out(F.relu(self.bn(self.fc(torch.cat([eps, onehot], dim=1)))))
-
 
 
 def label_weights(counts: Tensor) -> Tensor:
@@ -126,12 +126,8 @@ def draw_noise(shape: tuple[int, ...], gen: torch.Generator, kind: str) -> Tenso
 
 
 def local_steps(n: int, batch_size: int, epochs: int) -> int:
-    """The engine's number of local steps (``epoch_batches``: a trailing batch of one sample is dropped)."""
-    if n == 0:
-        return 0
-    bs = max(1, min(batch_size, n))
-    per = -(-n // bs) - (1 if n > 1 and bs > 1 and n % bs == 1 else 0)
-    return per * epochs
+    """The engine's number of local steps over ``epochs`` epochs (:func:`batches_per_epoch`)."""
+    return batches_per_epoch(n, batch_size) * epochs
 
 
 def decayed(value: float, decay: float, round_idx: int) -> float:

@@ -75,7 +75,6 @@ def normalizer(steps: int, momentum: float = 0.0, eta_mu: float = 0.0) -> float:
     return u
 
 
-
 @ALGORITHMS.register("fednova")
 class FedNova(Algorithm):
     """FedNova (Wang et al. 2020): normalised averaging of local updates, rescaled by τ_eff."""

@@ -70,7 +70,6 @@ def dataset_loss(model: nn.Module, client: ClientView, batch_size: int) -> Tenso
     return total / n
 
 
-
 @ALGORITHMS.register("qfedavg")
 class QFedAvg(Algorithm):
     """q-FedAvg (Li et al. 2020): clients with larger losses get larger weight, via Δ_k and h_k."""

@@ -53,7 +53,6 @@ CORRECTION_PREFIX = "correction."
 _GRADIENT_KEY = 0x5CA1  # the generator stream seeding dropout in option I's gradient pass
 
 
-
 def full_gradient(
     model: nn.Module, weights: Mapping[str, Tensor], client: ClientView, batch_size: int, seed: int
 ) -> dict[str, Tensor]:

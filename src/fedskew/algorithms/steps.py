@@ -79,11 +79,19 @@ class Phase:
 
 @dataclass
 class LocalPlan:
-    """What :meth:`Algorithm.start_local` decides: the training phases, and what it derived for this round
-    (the per-round channel :attr:`LocalStep.derived`; never persisted)."""
+    """What :meth:`Algorithm.start_local` decides: the training phases, what it derived for this round (the
+    per-round channel :attr:`LocalStep.derived`; never persisted) and, optionally, the weights training
+    starts from.
+
+    ``start_weights``: weights the engine loads into the model after ``start_local`` and before
+    ``init_scratch`` (a subset of the model state's keys; the engine copies them in and keeps no reference):
+    the weights local training starts from when they depend on the client's data, which
+    :meth:`Algorithm.model_weights` cannot see (FedALA's adaptive local aggregation, FedFomo's first-order
+    combination of downloaded models). ``None``: training starts from ``model_weights``."""
 
     phases: list[Phase]
     derived: Mapping[str, Any] = field(default_factory=dict)
+    start_weights: Mapping[str, Tensor] | None = None
 
 
 @dataclass
@@ -148,8 +156,9 @@ class Scratch(Mapping[str, Tensor]):
 class LocalStep:
     """One client's local round as every client hook sees it (contract v3).
 
-    ``model`` holds :meth:`Algorithm.model_weights` when ``start_local`` runs (read it, do not change it)
-    and the trained weights when ``finish_local`` runs; under ``engine.mode=vectorized`` ``local_loss`` sees
+    ``model`` holds :meth:`Algorithm.model_weights` when ``start_local`` runs (read it, do not change it),
+    those weights updated with the plan's ``start_weights`` from ``init_scratch`` on, and the trained weights
+    when ``finish_local`` runs; under ``engine.mode=vectorized`` ``local_loss`` sees
     the model with the client's stacked parameters substituted. ``state`` is the client's persistent state
     (on the training device), ``derived`` what ``start_local`` computed for this round, ``scratch`` the
     tensors of ``init_scratch`` (empty before it ran).

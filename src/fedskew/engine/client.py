@@ -1,12 +1,13 @@
 """One client's local training: the single pipeline every execution path runs.
 
 :func:`train_client` goes from a client's payload and state to a :class:`ClientOutcome`: load the weights
-the algorithm names, plan (``start_local``), make the scratch tensors (``init_scratch``), run the engine's
-optimizer over the algorithm's loss, and finish (``finish_local``). It commits nothing: the caller owns
-the round. The sequential executor, the worker processes and a Flower ClientApp call it as is; the
-vectorized trainer runs the same hooks around a batched optimizer loop, sharing :func:`prepare_client`,
-:func:`finish_client`, the schedule (:mod:`fedskew.engine.schedule`) and the update rule
-(:mod:`fedskew.engine.sgd`).
+the algorithm names, plan (``start_local``), load the plan's ``start_weights`` if it has any, make the
+scratch tensors (``init_scratch``), run the engine's optimizer over the algorithm's loss, and finish
+(``finish_local``). It commits nothing: the caller owns the round. The sequential executor, the worker
+processes and a Flower ClientApp call it as is; the vectorized trainer runs the same hooks around a
+batched optimizer loop, sharing :func:`prepare_client` (so it stacks the parameters a client starts from,
+its ``start_weights`` included), :func:`finish_client`, the schedule (:mod:`fedskew.engine.schedule`) and
+the update rule (:mod:`fedskew.engine.sgd`).
 
 Randomness is derived from ``(seed, round, client)``, so results do not depend on the order clients are
 run in, nor on the process that runs them.
@@ -15,10 +16,11 @@ run in, nor on the process that runs them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     Algorithm,
@@ -34,10 +36,11 @@ from fedskew.algorithms.base import (
     Upload,
     load_state,
 )
+from fedskew.algorithms.batching import epoch_batches
 from fedskew.engine.device import precision_context
 from fedskew.engine.policy import client_raised, finite_upload
 from fedskew.engine.runtime import ClientRuntime
-from fedskew.engine.schedule import EpochLoss, NonFiniteLoss, epoch_batches, local_schedule
+from fedskew.engine.schedule import EpochLoss, NonFiniteLoss, local_schedule
 from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
 from fedskew.seeding import derive_seed, seed_torch
@@ -76,8 +79,8 @@ class PreparedClient:
 def prepare_client(
     rt: ClientRuntime, model: nn.Module, cid: int, round_idx: int, payload: Payload, state: State
 ) -> PreparedClient:
-    """Seed the client's streams, load its weights into ``model`` and run ``start_local`` and
-    ``init_scratch``. ``state`` is on the training device."""
+    """Seed the client's streams, load its weights into ``model``, run ``start_local``, load the plan's
+    ``start_weights`` (if any) and run ``init_scratch``. ``state`` is on the training device."""
     alg = rt.algorithm
     info = RoundInfo(round=round_idx, cid=cid, seed=rt.seed)
     seed = derive_seed(rt.seed, round_idx, cid)
@@ -85,11 +88,22 @@ def prepare_client(
     load_state(model, alg.model_weights(payload, state))
     step = LocalStep(model=model, payload=payload, state=state, client=rt.data.view(cid), info=info)
     plan = alg.start_local(step)
+    if plan.start_weights is not None:  # a data-dependent start (FedALA, FedFomo): the same model object
+        load_start_weights(model, plan.start_weights, alg.name)
     step = step.replace(derived=plan.derived)
     step = step.replace(scratch=Scratch(alg.init_scratch(step)))
     gen = torch.Generator().manual_seed(seed)
     decay = rt.client.lr_decay ** (round_idx - 1)
     return PreparedClient(step, plan.phases, gen, seed, decay)
+
+
+def load_start_weights(model: nn.Module, weights: Mapping[str, Tensor], algorithm: str) -> None:
+    """Copy a plan's ``start_weights`` into ``model`` (the engine keeps no reference to them); a key the
+    model's state does not have breaks the contract."""
+    unknown = sorted(set(weights) - set(model.state_dict()))
+    if unknown:
+        raise ContractError(f"{algorithm}.start_local returned start_weights the model lacks: {unknown[:3]}")
+    load_state(model, weights)
 
 
 def finish_client(

@@ -3,8 +3,9 @@
 One place decides, for the sequential loop (:func:`fedskew.engine.client.run_phases`) and the vectorized
 trainer (:mod:`fedskew.engine.vectorized`) alike: the epochs of every phase in order, each with its
 learning rate (the phase's rate times the round's ``client.lr_decay`` factor), momentum, trainable
-parameters and last-epoch flag; the mini-batches of an epoch (:func:`epoch_batches`); the running loss
-totals (:class:`EpochLoss`); and the non-finite rule (a client whose epoch loss is NaN/Inf is rejected).
+parameters and last-epoch flag; the running loss totals (:class:`EpochLoss`); and the non-finite rule (a
+client whose epoch loss is NaN/Inf is rejected). The mini-batches of an epoch are
+:func:`fedskew.algorithms.batching.epoch_batches`, which methods' auxiliary computations share.
 """
 
 from __future__ import annotations
@@ -53,16 +54,6 @@ def local_schedule(
             out.append(EpochSpec(p_i, epoch, last, phase.lr * lr_scale, momentum, trainable))
     return out
 
-
-def epoch_batches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
-    """The mini-batches of one epoch: a permutation drawn from the client's generator, cut into batches of
-    ``batch_size``; a trailing batch of one sample is dropped (it breaks BatchNorm and adds noise only). A
-    client without samples has no batch (and draws nothing)."""
-    if n == 0:
-        return []
-    bs = max(1, min(batch_size, n))
-    perm = torch.randperm(n, generator=generator).to(device)
-    return [perm[s : s + bs] for s in range(0, n, bs) if not (min(bs, n - s) == 1 and n > 1)]
 
 
 class EpochLoss:

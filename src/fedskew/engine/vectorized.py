@@ -51,10 +51,11 @@ from fedskew.algorithms.base import (
     RoundInfo,
     Scratch,
 )
+from fedskew.algorithms.batching import epoch_batches
 from fedskew.engine.client import PreparedClient, finish_client, prepare_client
 from fedskew.engine.device import chunk_budget_mb, precision_context
 from fedskew.engine.runtime import ClientRuntime
-from fedskew.engine.schedule import EpochLoss, EpochSpec, epoch_batches, local_schedule
+from fedskew.engine.schedule import EpochLoss, EpochSpec, local_schedule
 from fedskew.engine.sgd import apply_step, sgd_directions
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch

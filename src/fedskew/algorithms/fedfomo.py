@@ -1,0 +1,243 @@
+"""FedFomo (Zhang, Sapra, Fidler, Yeung, Alvarez 2021, "Personalized Federated Learning with First Order
+Model Optimization", ICLR), §3 and Algorithm 1.
+
+The server keeps every client's latest uploaded model θ_n and an affinity matrix P. Client i receives M of
+those models (ε-greedy over its row of P: each slot is, with probability ε_t, a random client, otherwise the
+next best by P; ε_t = ε − (t − 1)·decay, floored at 0; never itself), and weighs each by the first-order
+estimate of how much moving towards it lowers its validation loss (§3.2)::
+
+    w_n = (L_i(θ_i^{t−1}) − L_i(θ_n)) / ‖θ_n − θ_i^{t−1}‖,      w̄_n = max(w_n, 0) / Σ_m max(w_m, 0),
+    θ_i^t = θ_i^{t−1} + Σ_n w̄_n (θ_n − θ_i^{t−1})
+
+(θ_i^{t−1} kept when no w_n is positive), then trains θ_i^t locally and uploads it with the w_n; the server
+stores θ_i and adds P_{i,n} += w_n (Algorithm 1). Candidates come from clients that have uploaded at least
+once, so round 1 is plain local training.
+
+Choices (docs/decisions.md, "FedFomo"):
+
+* L_i is the mean cross-entropy, in eval mode, on a validation split: a fixed ``val_share`` of the client's
+  training samples drawn once from the run's seed. Hooks see only training data, so the split is also
+  trained on (the paper holds it out).
+* Parameters are combined; BatchNorm statistics stay the client's (the authors' code mixes every state entry;
+  the paper's CNNs have no BatchNorm). ‖·‖ is the L2 norm over parameters (``distance="l1"``: the authors'
+  code's default ``--model_delta_norm l1``). ``affinity="normalized"`` adds w_n / |Σ_m w_m| as that code does.
+* Training from θ_i^t: the runtime loads θ_i^{t−1} (:meth:`FedFomo.model_weights`: no data access), and
+  ``start_local`` returns θ_i^t's parameters as the plan's ``start_weights``, which the runtime loads before
+  training (docs/decisions.md, "Contract: LocalPlan.start_weights"); the loss is plain cross-entropy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    ClientView,
+    Context,
+    HyperParams,
+    LocalOutput,
+    LocalPlan,
+    LocalResult,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    ServerUpdate,
+    State,
+    Upload,
+    clone_state,
+    model_arrays,
+)
+from fedskew.errors import ConfigError
+from fedskew.seeding import derive_seed
+
+SELECT_KEY = 0xF0F0  # the server's ε-greedy draws
+VAL_KEY = 0xF0F1  # each client's fixed validation split
+IDS, WEIGHTS = "fomo_ids", "fomo_w"
+
+
+def candidate_prefix(k: int) -> str:
+    return f"cand{k}."
+
+
+def select_candidates(
+    affinity: Tensor, available: Tensor, m: int, epsilon: float, gen: torch.Generator
+) -> list[int]:
+    """ε-greedy choice of up to ``m`` ids among ``available`` (1-d ids): each slot explores (the next of a
+    random order) with probability ``epsilon``, else exploits (the next best by ``affinity``, ties random)."""
+    if available.numel() == 0:
+        return []
+    shuffled = available[torch.randperm(available.numel(), generator=gen)]
+    best = shuffled[torch.argsort(-affinity[shuffled], stable=True)].tolist()
+    rand = available[torch.randperm(available.numel(), generator=gen)].tolist()
+    explore = (torch.rand(m, generator=gen) < epsilon).tolist()
+    chosen: list[int] = []
+    for k in range(min(m, available.numel())):
+        source = rand if explore[k] else best
+        chosen.append(next(j for j in source if j not in chosen))
+    return chosen
+
+
+def first_order_weights(base_loss: Tensor, losses: Tensor, distances: Tensor) -> Tensor:
+    """w_n = (L(θ_i) − L(θ_n)) / ‖θ_n − θ_i‖ (0 where the models coincide)."""
+    safe = torch.where(distances > 0, distances, torch.ones_like(distances))
+    return torch.where(distances > 0, (base_loss - losses) / safe, torch.zeros_like(losses))
+
+
+def mixing_weights(w: Tensor) -> Tensor:
+    """w̄_n = max(w_n, 0) / Σ max(w_m, 0); all zero when no w_n is positive."""
+    pos = w.clamp(min=0)
+    total = pos.sum()
+    return pos / total if float(total) > 0 else torch.zeros_like(w)
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, state: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+    """Mean cross-entropy of ``model`` with the entries ``state`` on ``(x, y)`` (eval mode, in chunks)."""
+    total = torch.zeros((), device=x.device)
+    for i in range(0, x.shape[0], 1024):
+        logits = functional_call(model, dict(state), (x[i : i + 1024],))
+        total = total + F.cross_entropy(logits, y[i : i + 1024], reduction="sum")
+    return total / max(x.shape[0], 1)
+
+
+@ALGORITHMS.register("fedfomo")
+class FedFomo(Algorithm):
+    """FedFomo (Zhang et al. 2021): each client mixes downloaded models by first-order validation gains."""
+
+    personalized_eval: ClassVar[bool] = True
+    requires_personalized_eval: ClassVar[bool] = True
+    vectorizable = True  # the mixing runs per client in start_local; the loss is plain cross-entropy
+    loss_reads: ClassVar[frozenset[str]] = frozenset()
+
+    class Params(HyperParams):
+        M: int = Field(
+            5,
+            ge=1,
+            description="models downloaded per client and round (source: PFLlib M=5; "
+            "authors' cfg NUM_UPDATE_CLIENTS=8)",
+        )
+        epsilon: float = Field(0.3, ge=0, le=1, description="ε-greedy exploration (source: authors' cfg 0.3)")
+        epsilon_decay: float = Field(
+            0.05, ge=0, description="ε decreases by this every round (source: authors' cfg EPSILON_DECAY)"
+        )
+        val_share: float = Field(
+            0.2,
+            gt=0,
+            lt=1,
+            description="share of local samples in the validation split (source: authors' cfg VAL_SPLIT=0.2)",
+        )
+        distance: Literal["l2", "l1"] = Field("l2", description="‖θ_n − θ_i‖: L2 (§3.2) or L1 (code default)")
+        affinity: Literal["raw", "normalized"] = Field(
+            "raw", description="P += w (Algorithm 1) or P += w/|Σw| (authors' code)"
+        )
+
+    p: Params
+
+    def __init__(self, params: HyperParams, ctx: Context) -> None:
+        super().__init__(params, ctx)
+        self.param_names = frozenset(n for n, _ in ctx.model_template(None).named_parameters())
+
+    # ---------------------------------------------------------------- server
+    def init_server(self, model: nn.Module) -> State:
+        n = self.ctx.num_clients
+        stacked = {
+            k: v.detach().unsqueeze(0).repeat(n, *[1] * v.dim()) for k, v in model.state_dict().items()
+        }
+        return {
+            "models": stacked,
+            "has": torch.zeros(n, dtype=torch.bool),
+            "P": torch.zeros(n, n, dtype=torch.float64),
+        }
+
+    def broadcast(self, server: State, info: RoundInfo) -> Payload:
+        """The ε-greedy choice of other clients' latest models (nothing for global evaluation)."""
+        if info.cid is None:
+            return Payload()
+        available = torch.nonzero(server["has"]).flatten()
+        available = available[available != info.cid]
+        eps = max(self.p.epsilon - (info.round - 1) * self.p.epsilon_decay, 0.0)
+        ids = select_candidates(server["P"][info.cid], available, self.p.M, eps, info.generator(SELECT_KEY))
+        arrays = {IDS: torch.tensor(ids, dtype=torch.long)}
+        for k, j in enumerate(ids):
+            arrays.update({candidate_prefix(k) + n: v[j] for n, v in server["models"].items()})
+        return Payload(arrays=arrays)
+
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """Store each upload as its client's latest model; P_{i,n} += w_{i,n}."""
+        models = {k: v.clone() for k, v in server["models"].items()}
+        has, affinity = server["has"].clone(), server["P"].clone()
+        used = []
+        for u in uploads:
+            for k, v in u.payload.model_state().items():
+                models[k][u.cid] = v.to(models[k].device)
+            has[u.cid] = True
+            ids, w = u.payload.arrays[IDS].cpu(), u.payload.arrays[WEIGHTS].cpu().double()
+            if self.p.affinity == "normalized" and ids.numel():
+                w = w / max(float(w.sum().abs()), 1e-9)
+            affinity[u.cid, ids] += w
+            used.append(float((w > 0).sum()))
+        metrics = {"fomo_models_used": sum(used) / max(len(used), 1)}
+        return ServerUpdate({"models": models, "has": has, "P": affinity}, metrics)
+
+    # ---------------------------------------------------------------- client
+    def init_client(self, cid: int) -> State:
+        return {"weights": self.ctx.initial_state(cid)}
+
+    def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
+        if state is None:
+            raise ConfigError("fedfomo has no global model to evaluate; set eval.protocol=personalized")
+        return state["weights"]
+
+    def validation_split(self, client: ClientView) -> tuple[Tensor, Tensor]:
+        """A fixed ``val_share`` of the client's samples (at least one), drawn once from the run's seed."""
+        n = client.num_samples
+        size = min(n, max(1, round(self.p.val_share * n)))
+        gen = torch.Generator().manual_seed(derive_seed(self.ctx.seed, VAL_KEY, client.cid))
+        idx = torch.randperm(n, generator=gen)[:size].to(client.y.device)
+        return client.x[idx], client.y[idx]
+
+    def distance(self, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
+        diffs = torch.cat([(a[n] - b[n]).flatten() for n in sorted(self.param_names)])
+        return diffs.abs().sum() if self.p.distance == "l1" else diffs.norm()
+
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        """Eq. (3)–(4): the weights of the candidates on the validation split, and θ_i^t to train from."""
+        plan = super().start_local(step)
+        ids = step.payload.arrays.get(IDS, torch.zeros(0, dtype=torch.long))
+        theta = step.state["weights"]
+        cands = [step.payload.prefixed(candidate_prefix(k)) for k in range(ids.numel())]
+        x, y = self.validation_split(step.client)
+        if not cands or x.shape[0] == 0:
+            zeros = torch.zeros(len(cands), device=x.device)
+            return LocalPlan(plan.phases, derived={IDS: ids, WEIGHTS: zeros})
+        model, was_training = step.model, step.model.training
+        model.eval()
+        base = validation_loss(model, theta, x, y)
+        losses = torch.stack([validation_loss(model, c, x, y) for c in cands])
+        model.train(was_training)
+        dists = torch.stack([self.distance(c, theta) for c in cands]).to(losses.device)
+        w = first_order_weights(base, losses, dists)
+        mix = mixing_weights(w)
+        derived = {IDS: ids, WEIGHTS: w}
+        if float(mix.sum()) == 0:  # no candidate helps: θ_i^t = θ_i^{t−1}, loaded already
+            return LocalPlan(plan.phases, derived=derived)
+        start = {
+            n: theta[n] + sum(float(mix[k]) * (c[n] - theta[n]) for k, c in enumerate(cands) if mix[k] > 0)
+            for n in sorted(self.param_names)
+        }
+        return LocalPlan(plan.phases, derived=derived, start_weights=start)
+
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        weights = clone_state(step.model.state_dict())  # trained from θ_i^t (the plan's start_weights)
+        upload = Payload(arrays=model_arrays(weights))
+        upload.arrays[IDS] = step.derived[IDS].detach().clone().cpu()
+        upload.arrays[WEIGHTS] = step.derived[WEIGHTS].detach().clone().float()
+        return LocalOutput(upload, {**step.state, "weights": clone_state(weights)})

@@ -1,0 +1,146 @@
+"""Local fine-tuning on a copy: the personalization step of FedAvg-FT and FedBABU.
+
+Both methods evaluate a client with a model fine-tuned on its own training data for ``τ_f`` epochs (FedBABU,
+Oh, Kim, Yun, ICLR 2022; "FedAvg-FT", Wang et al. 2019). The engine's optimizer loop trains the model the
+client uploads; the fine-tuned model must not reach the upload, so it is computed here, as an auxiliary
+computation on copies: :func:`finetune` runs mini-batch SGD with ``torch.optim.SGD``'s update
+
+    g ← ∇ℓ(p) + weight_decay · p;   b ← g (first step) or momentum · b + g;   p ← p − lr · b
+
+(the engine's rule, :mod:`fedskew.engine.sgd`, which an algorithm may not import) over the parameters that
+``trainable`` accepts, on mini-batches of the client's data cut from a permutation drawn from a given
+generator (a trailing batch of one sample is dropped, as the engine does), in training mode (BatchNorm
+batch statistics; running statistics update copies; dropout draws from a seed of that generator inside a
+forked RNG). Neither the model nor the given weights change. The settings both methods share
+(:class:`FineTuneParams`) and the plan of one client's round (:func:`finetune_plan`) live here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedskew.algorithms.base import Algorithm, HyperParams
+from fedskew.algorithms.batching import epoch_batches
+from fedskew.algorithms.steps import ClientView, LocalResult
+from fedskew.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """How to fine-tune: ``epochs`` passes at learning rate ``lr`` in batches of ``batch_size``, SGD with
+    ``momentum`` and ``weight_decay``, over the parameters ``trainable`` accepts (``None``: all)."""
+
+    epochs: int
+    lr: float
+    batch_size: int
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    trainable: Callable[[str], bool] | None = None
+
+
+def finetune(
+    model: nn.Module,
+    weights: Mapping[str, Tensor],
+    client: ClientView,
+    plan: FineTune,
+    generator: torch.Generator,
+) -> dict[str, Tensor]:
+    """``weights`` (every parameter and buffer of ``model``) after ``plan.epochs`` epochs of SGD on the
+    client's cross-entropy: new detached tensors, the untrained entries copied."""
+    names = [n for n, _ in model.named_parameters()]
+    train = [n for n in names if plan.trainable is None or plan.trainable(n)]
+    params = {n: weights[n].detach().clone() for n in names}
+    buffers = {n: weights[n].detach().clone() for n, _ in model.named_buffers() if n in weights}
+    moments: dict[str, Tensor] = {}
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    devices = [client.x.device] if client.x.device.type == "cuda" else []
+    was_training = model.training
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model.train()
+        try:
+            for _ in range(plan.epochs if train else 0):
+                for idx in epoch_batches(client.num_samples, plan.batch_size, generator, client.x.device):
+                    leaves = [params[n].requires_grad_(True) for n in train]
+                    out = functional_call(model, {**params, **buffers}, (client.x[idx],))
+                    grads = torch.autograd.grad(
+                        F.cross_entropy(out, client.y[idx]), leaves, allow_unused=True
+                    )
+                    with torch.no_grad():
+                        for n, p, g in zip(train, leaves, grads, strict=True):
+                            _sgd_step(n, p, g, moments, plan)
+        finally:
+            model.train(was_training)
+    out_state = {n: p.detach() for n, p in params.items()}
+    out_state.update(buffers)
+    return {k: out_state[k] if k in out_state else v.detach().clone() for k, v in weights.items()}
+
+
+def _sgd_step(name: str, p: Tensor, g: Tensor | None, moments: dict[str, Tensor], plan: FineTune) -> None:
+    """``torch.optim.SGD``'s step on ``p`` in place (a parameter without gradient is left alone)."""
+    if g is None:
+        return
+    d = g + plan.weight_decay * p if plan.weight_decay else g
+    if plan.momentum:
+        d = d if name not in moments else moments[name].mul(plan.momentum).add(d)
+        moments[name] = d
+    p.sub_(plan.lr * d)
+
+
+#: the generator stream of the fine-tuning batches (and its dropout seed)
+FINETUNE_KEY = 0xF17E
+
+
+def head_filter(model: nn.Module, algorithm: str) -> tuple[str, ...]:
+    """Parameter names of ``model``'s head (``FedModel.is_head``), or a one-line error naming the
+    algorithm."""
+    is_head = getattr(model, "is_head", None)
+    names = tuple(n for n, _ in model.named_parameters() if is_head is not None and is_head(n))
+    if not names:
+        raise ConfigError(f"{algorithm} needs a model with a head (FedModel.is_head); see `fedskew list`")
+    return names
+
+
+class FineTuneParams(HyperParams):
+    """The fine-tuning settings FedAvg-FT and FedBABU share."""
+
+    finetune_epochs: int = Field(
+        5,
+        ge=0,
+        description="τ_f, local fine-tuning epochs before evaluation (source: FedBABU's τ_f; its code's "
+        "--ft_ep default 5, applied to FedAvg and FedBABU alike)",
+    )
+    finetune_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description="fine-tuning learning rate (None: the rate the client trains with this round, "
+        "client.lr x lr_decay^(t-1))",
+    )
+    finetune: Literal["full", "head"] = Field(
+        "full",
+        description="fine-tuned parameters: the whole model (FedBABU's personalization, Wang et al. 2019) "
+        "or the head only (FedBABU's head-only comparison)",
+    )
+
+
+def finetune_plan(alg: Algorithm, p: FineTuneParams, result: LocalResult, model: nn.Module) -> FineTune:
+    """The fine-tuning of one client's round under ``p`` (the client config's batches, momentum and weight
+    decay; the round's lr unless ``finetune_lr`` is set)."""
+    heads = frozenset(head_filter(model, alg.name)) if p.finetune == "head" else None
+    cfg = alg.ctx.client
+    return FineTune(
+        epochs=p.finetune_epochs,
+        lr=p.finetune_lr if p.finetune_lr is not None else result.lr,
+        batch_size=cfg.batch_size,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        trainable=None if heads is None else heads.__contains__,
+    )

@@ -1,0 +1,191 @@
+"""Per-FedAvg (Fallah, Mokhtari, Ozdaglar 2020, "Personalized Federated Learning with Theoretical Guarantees:
+A Model-Agnostic Meta-Learning Approach", NeurIPS), Algorithm 1 and its FO / HF versions (§4, §5).
+
+The global model minimises the MAML objective F(w) = (1/n) Σ_i f_i(w − α∇f_i(w)) (Eq. 3). A client takes τ
+local steps from the received w_k (Algorithm 1 lines 6–8), each on independent batches D, D', D'':
+
+    w̃ = w − α ∇f̃_i(w; D),
+    w ← w − β (I − α ∇²f̃_i(w; D'')) ∇f̃_i(w̃; D'),
+
+and the server averages the clients' models uniformly (line 10). Per-FedAvg (FO) drops the Hessian term;
+Per-FedAvg (HF) replaces the Hessian-vector product by the difference of gradients
+(∇f̃_i(w + δv; D'') − ∇f̃_i(w − δv; D''))/(2δ).
+
+In the engine, one mini-batch is one local step: ``local_loss`` cuts it in two (FO) or three (HF) parts D,
+D', D'' (the batch is a random draw, so the parts are independent batches of B/2 or B/3 samples; a batch
+too small to cut is used whole for each part), computes the meta-gradient g with ``torch.func`` on copies,
+and returns the surrogate ⟨g, w⟩ (plus the detached f̃_i(w̃; D')), so that the engine's SGD step at
+β = ``client.lr`` is line 8 exactly. ``variant: hf`` computes the Hessian-vector product exactly
+(forward-over-reverse, ``hvp: exact``, the quantity Algorithm 1 states) or by the paper's finite difference
+(``hvp: finite_difference`` with δ).
+
+Personalized model (§5: "one step of local stochastic gradient descent" at test time): evaluation has no
+data, so in its round each client computes d_i = −α ∇f̃_i(w_k; D) on one mini-batch D of its training data
+at the received global model w_k and keeps d_i in its state; it is evaluated with w + d_i for the
+current global w. The gradient is therefore one participation old (it is exact when w = w_k); a client never
+trained is evaluated with w. ``adapt: full`` takes the gradient over all its training data instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor
+from torch.func import functional_call, grad, grad_and_value, jvp
+
+from fedskew.algorithms.base import (
+    ALGORITHMS,
+    Algorithm,
+    Batch,
+    ClientView,
+    HyperParams,
+    LocalOutput,
+    LocalResult,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    ServerUpdate,
+    State,
+    Upload,
+    model_arrays,
+    sample_weights,
+    weighted_average,
+)
+from fedskew.algorithms.scaffold import full_gradient
+
+Weights = dict[str, Tensor]
+_ADAPT_KEY = 0xADA7  # the generator stream of the test-time adaptation batch
+
+
+def batch_parts(batch: Batch, k: int) -> list[tuple[Tensor, Tensor]]:
+    """``k`` disjoint consecutive parts of the batch (sizes differ by at most one); the whole batch ``k``
+    times when it has fewer than ``k`` samples."""
+    if batch.y.shape[0] < k:
+        return [(batch.x, batch.y)] * k
+    return list(zip(torch.tensor_split(batch.x, k), torch.tensor_split(batch.y, k), strict=True))
+
+
+def meta_gradient(
+    loss: Callable[[Weights, Tensor, Tensor], Tensor],
+    w: Weights,
+    parts: list[tuple[Tensor, Tensor]],
+    alpha: float,
+    hvp: Literal["none", "exact", "finite_difference"],
+    delta: float = 1e-3,
+    hessian_loss: Callable[[Weights, Tensor, Tensor], Tensor] | None = None,
+) -> tuple[Weights, Tensor]:
+    """The Per-FedAvg direction at ``w`` and f̃(w̃; D'): ∇f̃(w̃; D') − α ∇²f̃(w; D'') ∇f̃(w̃; D') with
+    w̃ = w − α∇f̃(w; D) (``hvp="none"``: the first-order direction ∇f̃(w̃; D')). ``parts`` = [D, D', D''];
+    ``hessian_loss`` (default ``loss``) is the loss the Hessian-vector product differentiates."""
+    (x0, y0), (x1, y1) = parts[0], parts[1]
+    g0 = grad(loss)(w, x0, y0)
+    adapted = {n: v - alpha * g0[n] for n, v in w.items()}
+    g1, value = grad_and_value(loss)(adapted, x1, y1)
+    if hvp == "none":
+        return g1, value
+    x2, y2 = parts[2]
+    second = hessian_loss or loss
+
+    def gradient(params: Weights) -> Weights:
+        return grad(second)(params, x2, y2)
+
+    if hvp == "exact":
+        hv = jvp(gradient, (w,), (g1,))[1]
+    else:
+        plus = gradient({n: v + delta * g1[n] for n, v in w.items()})
+        minus = gradient({n: v - delta * g1[n] for n, v in w.items()})
+        hv = {n: (plus[n] - minus[n]) / (2 * delta) for n in w}
+    return {n: g1[n] - alpha * hv[n] for n in w}, value
+
+
+@ALGORITHMS.register("perfedavg")
+class PerFedAvg(Algorithm):
+    """Per-FedAvg (Fallah et al. 2020): FedAvg on the MAML objective; personal = one α-step of adaptation."""
+
+    mean_aggregation = True
+    vectorizable = True
+    loss_reads = frozenset()  # the model and the batch
+    personalized_eval: ClassVar[bool] = True
+
+    class Params(HyperParams):
+        alpha: float = Field(
+            1e-3,
+            gt=0.0,
+            description="personalization step α (Eq. 3; source: Fallah et al. 2020 §5, α = 0.001)",
+        )
+        variant: Literal["hf", "fo"] = Field(
+            "hf",
+            description="hf: the Hessian term of Alg. 1 line 8 (three batch parts); fo: Per-FedAvg (FO), "
+            "without it (two parts) (source: Fallah et al. 2020 §4–5)",
+        )
+        hvp: Literal["exact", "finite_difference"] = Field(
+            "exact",
+            description="hf's Hessian-vector product: exact (torch.func forward-over-reverse) or the paper's "
+            "Per-FedAvg (HF) finite difference with δ (source: Fallah et al. 2020 §4)",
+        )
+        delta: float = Field(
+            1e-3, gt=0.0, description="δ of the finite difference (source: Fallah et al. 2020 §5, δ = 0.001)"
+        )
+        weights: Literal["uniform", "samples"] = Field(
+            "uniform", description="server mean: uniform over participants (Alg. 1 line 10) or by samples"
+        )
+        adapt: Literal["batch", "full"] = Field(
+            "batch",
+            description="test-time step: one mini-batch of client.batch_size (§5, one stochastic gradient "
+            "step) or the client's whole training set",
+        )
+
+    p: Params
+
+    def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
+        """Surrogate ⟨g, w⟩ with g the meta-gradient; its value is f̃(w̃; D')."""
+        model = step.model
+        named = dict(model.named_parameters())
+        w = {n: q.detach() for n, q in named.items()}
+
+        def loss(params: Weights, x: Tensor, y: Tensor) -> Tensor:  # the model's buffers, as a training step
+            return F.cross_entropy(functional_call(model, params, (x,)), y)
+
+        def hessian_loss(params: Weights, x: Tensor, y: Tensor) -> Tensor:  # running statistics: on copies
+            buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+            return F.cross_entropy(functional_call(model, {**params, **buffers}, (x,)), y)
+
+        hf = self.p.variant == "hf"
+        parts = batch_parts(batch, 3 if hf else 2)
+        hvp = self.p.hvp if hf else "none"
+        g, value = meta_gradient(loss, w, parts, self.p.alpha, hvp, self.p.delta, hessian_loss)
+        terms = [(g[n].detach() * q).sum() for n, q in named.items()]
+        surrogate = sum(terms[1:], terms[0])
+        return surrogate - surrogate.detach() + value.detach()
+
+    def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
+        """Upload w_{k+1,τ}; keep the test-time step d_i = −α∇f̃_i(w_k) taken at the received model."""
+        state = dict(step.state)
+        client = step.client
+        if client.num_samples > 0:
+            gen = step.info.generator(_ADAPT_KEY)
+            idx = torch.randperm(client.num_samples, generator=gen).to(client.x.device)
+            if self.p.adapt == "batch":
+                idx = idx[: self.ctx.client.batch_size]
+            view = ClientView(client.cid, client.x[idx], client.y[idx], client.class_counts)
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            g = full_gradient(step.model, step.payload.model_state(), view, len(idx), seed)
+            state["adapt"] = {n: -self.p.alpha * v for n, v in g.items()}
+        return LocalOutput(Payload(arrays=model_arrays(step.model.state_dict())), state)
+
+    def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
+        """w + d_i (w alone for the global protocol and for a client never trained)."""
+        weights = payload.model_state()
+        if state is None or "adapt" not in state:
+            return weights
+        return {**weights, **{n: weights[n] + d for n, d in state["adapt"].items()}}
+
+    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        n = len(uploads)
+        weights = torch.full((n,), 1.0 / n) if self.p.weights == "uniform" else sample_weights(uploads)
+        mean = weighted_average([u.payload.model_state() for u in uploads], weights)
+        return ServerUpdate({**server, "weights": mean})
