@@ -6,6 +6,7 @@ update rules with literal numbers, so a wrong sign, factor or weighting makes a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -423,6 +424,19 @@ def test_scaffold_control_variate_update(ctx: Context) -> None:
     assert_params(new["c"], 0.5 + (2 / 4) * (0.5 + 1.5) / 2)  # c + |S|/N·mean Δc = 1.0
     assert torch.allclose(new["weights"]["stat"], torch.full((2,), 2.0))
     assert_unchanged(server, before)
+
+
+def test_scaffold_effective_steps_divide_by_the_momentum_normaliser(ctx: Context) -> None:
+    """Under momentum ρ = 0.5 and K = 2 steps a unit gradient moves y by η‖a‖₁ = η (2 − 0.5·0.75/0.5)/0.5
+    = 2.5η, so ``control_steps: effective`` recovers the gradient where K η reads 1.25 times it."""
+    moving = dataclasses.replace(ctx, client=ctx.client.model_copy(update={"momentum": 0.5}))
+    server = make("scaffold", moving).init_server(const_model(0.0))  # x = 0, c = 0
+    state = {"c": {n: torch.zeros_like(v) for n, v in server["c"].items()}}
+    for control_steps, want in (("local", 1.25), ("effective", 1.0)):
+        alg = make("scaffold", moving, control_steps=control_steps)
+        payload = alg.broadcast(server, info(1, 0))
+        out = finish(alg, const_model(-0.25), payload, state, steps=2)  # x − y = 2.5 η with η = 0.1, g = 1
+        assert_params(out.state["c"], want)
 
 
 # ---------------------------------------------------------------------------------------------- MOON

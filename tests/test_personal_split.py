@@ -31,7 +31,8 @@ from fedskew.algorithms.base import (
     load_state,
     model_arrays,
 )
-from fedskew.algorithms.finetune import FINETUNE_KEY, FineTune, batches, finetune
+from fedskew.algorithms.batching import epoch_batches
+from fedskew.algorithms.finetune import FINETUNE_KEY, FineTune, finetune
 from fedskew.algorithms.lgfedavg import top_layer_names
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
@@ -246,8 +247,8 @@ def test_finetune_respects_trainable_and_the_engines_batching():
     assert torch.equal(a["body.weight"], weights["body.weight"])  # not trainable: untouched
     assert not torch.equal(a["classifier.weight"], weights["classifier.weight"])
     # 5 samples in batches of 2: sizes 2, 2 and a trailing single sample, which is dropped
-    assert [len(i) for i in batches(5, 2, torch.Generator(), torch.device("cpu"))] == [2, 2]
-    assert batches(0, 2, torch.Generator(), torch.device("cpu")) == []
+    assert [len(i) for i in epoch_batches(5, 2, torch.Generator(), torch.device("cpu"))] == [2, 2]
+    assert epoch_batches(0, 2, torch.Generator(), torch.device("cpu")) == []
 
 
 def test_fedavg_ft_uploads_the_trained_model_and_keeps_the_fine_tuned_global_one():

@@ -38,7 +38,15 @@ NIID_LABELS = {
     "quantity": "quantity Dir(0.5)",
     "noise0.1": "noise σ=0.1",
 }
-NIID_METHODS = ["fedavg", "fedprox", "scaffold", "fednova"]
+#: (column, sweep folder under <setting>/): SCAFFOLD twice, with K = local steps (the paper) and with
+#: K = FedNova's effective steps under momentum (``algorithm.control_steps=effective``)
+NIID_COLUMNS = [
+    ("FedAvg", "algorithm.name=fedavg"),
+    ("FedProx", "algorithm.name=fedprox"),
+    ("SCAFFOLD", "algorithm.name=scaffold"),
+    ("SCAFFOLD (eff. K)", "scaffold-effective"),
+    ("FedNova", "algorithm.name=fednova"),
+]
 
 
 def points(root: Path) -> dict[str, list[Group]]:
@@ -99,23 +107,20 @@ def selection_table(root: Path, baseline: str) -> str:
 
 
 def niid_table(root: Path, dataset: str) -> str:
-    head = (
-        "| setting | "
-        + " | ".join(NIID_METHODS)
-        + " | "
-        + " | ".join(f"{m} − fedavg (pp)" for m in NIID_METHODS[1:])
-    )
-    rows = [head + " |", "|---" * (2 * len(NIID_METHODS)) + "|"]
+    names = [c for c, _ in NIID_COLUMNS]
+    head = "| setting | " + " | ".join(names) + " | " + " | ".join(f"{c} − FedAvg (pp)" for c in names[1:])
+    rows = [head + " |", "|---" * (2 * len(names)) + "|"]
     for setting in NIID_SETTINGS:
         folder = root / f"niid-{dataset}" / setting
         if not folder.is_dir():
             continue
-        picks = {m: gs[0] for m, gs in points(folder).items()}
-        cells = [cell(picks[m]) if m in picks else "—" for m in NIID_METHODS]
-        base = picks.get("fedavg")
-        diffs = [
-            paired_cell(picks[m], base) if m in picks and base is not None else "—" for m in NIID_METHODS[1:]
-        ]
+        groups: dict[str, Group] = {}
+        for column, sub in NIID_COLUMNS:
+            if any((folder / sub).glob("seed*/summary.json")):
+                groups[column] = Group(sub, find_runs([folder / sub]))
+        cells = [cell(groups[c]) if c in groups else "—" for c in names]
+        base = groups.get("FedAvg")
+        diffs = [paired_cell(groups[c], base) if c in groups and base else "—" for c in names[1:]]
         rows.append(f"| {NIID_LABELS[setting]} | " + " | ".join(cells + diffs) + " |")
     return "\n".join(rows)
 

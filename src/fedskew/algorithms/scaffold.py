@@ -45,6 +45,7 @@ from fedskew.algorithms.base import (
     model_arrays,
     weighted_average,
 )
+from fedskew.algorithms.fednova import normalizer
 
 #: payload prefix of control variates (server ``c`` downstream, ``Δc_i`` upstream)
 CONTROL_PREFIX = "control."
@@ -99,6 +100,13 @@ class Scaffold(Algorithm):
             "'II' c_i − c + (x − y_i)/(Kη_l), the cheaper one; 'I' g_i(x), the client's full-data gradient "
             "at x (one extra pass over its data)",
         )
+        control_steps: Literal["local", "effective"] = Field(
+            "local",
+            description="K in option II's (x − y_i)/(Kη_l): 'local' the local steps taken (the paper, plain "
+            "SGD); 'effective' FedNova's ‖a‖₁ = Σ_k (1 − ρ^(K−k))/(1 − ρ) under the client's momentum ρ, so "
+            "that c_i estimates the client gradient and not 1/(1 − ρ) times it (docs/decisions.md, "
+            "'SCAFFOLD with momentum'); equal without momentum",
+        )
 
     p: Params
 
@@ -133,7 +141,10 @@ class Scaffold(Algorithm):
         if self.p.control_update == "I":
             c_new = self._gradient_at_server(step) if step.client.num_samples > 0 else dict(c_old)
         elif result.steps > 0:
-            denom = result.steps * result.lr  # K η_l with K the local steps actually taken
+            steps = float(result.steps)  # K, the local steps actually taken
+            if self.p.control_steps == "effective":  # heavy-ball momentum moves y by η‖a‖₁ per unit gradient
+                steps = normalizer(result.steps, self.ctx.client.momentum)
+            denom = steps * result.lr
             c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
         else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
             c_new = dict(c_old)
