@@ -27,6 +27,14 @@ SETTINGS = [
     ("Fashion-MNIST, FedProto's n-way k-shot (n = 3, k = 100)", "pers-fmnist-nway"),
     ("MNIST, Dirichlet(0.1)", "pers-mnist-dir0.1"),
     ("Fashion-MNIST, Dirichlet(0.1)", "pers-fmnist-dir0.1"),
+    (
+        "MNIST, Dirichlet(0.1), tested on 40 images of every class a client holds",
+        "pers-mnist-dir0.1-perclass40",
+    ),
+    (
+        "Fashion-MNIST, Dirichlet(0.1), tested on 40 images of every class a client holds",
+        "pers-fmnist-dir0.1-perclass40",
+    ),
 ]
 
 
