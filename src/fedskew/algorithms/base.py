@@ -103,6 +103,7 @@ __all__ = [
     "param_names",
     "sample_weights",
     "server_arrays",
+    "uniform_weights",
     "weighted_average",
 ]
 
@@ -284,6 +285,13 @@ def sample_weights(uploads: list[Upload]) -> Tensor:
     n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
     total = n.sum()
     return n / total if total > 0 else torch.full_like(n, 1.0 / len(n))
+
+
+def uniform_weights(uploads: list[Upload]) -> Tensor:
+    """Equal aggregation weights ``1/|S|`` (the plain mean over the sampled set: SCAFFOLD, FedDyn, pFedMe,
+    Per-FedAvg)."""
+    n = len(uploads)
+    return torch.full((n,), 1.0 / n)
 
 
 def weighted_average(states: Sequence[Mapping[str, Tensor]], weights: Tensor) -> dict[str, Tensor]:

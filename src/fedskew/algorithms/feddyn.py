@@ -32,6 +32,7 @@ from fedskew.algorithms.base import (
     State,
     Upload,
     model_arrays,
+    uniform_weights,
     weighted_average,
 )
 from fedskew.algorithms.fedprox import proximal_term
@@ -80,7 +81,7 @@ class FedDyn(Algorithm):
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         prev = server["weights"]
         n = len(uploads)
-        mean = weighted_average([u.payload.model_state() for u in uploads], torch.full((n,), 1.0 / n))
+        mean = weighted_average([u.payload.model_state() for u in uploads], uniform_weights(uploads))
         scale = self.p.alpha * n / self.ctx.num_clients  # α (1/m) Σ_k (θ_k − θ) = α (|P|/m) (mean − θ)
         new = dict(mean)  # buffers: the plain mean over participants
         h_new = {}

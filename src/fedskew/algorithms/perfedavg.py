@@ -53,6 +53,7 @@ from fedskew.algorithms.base import (
     Upload,
     model_arrays,
     sample_weights,
+    uniform_weights,
     weighted_average,
 )
 from fedskew.algorithms.scaffold import full_gradient
@@ -185,7 +186,6 @@ class PerFedAvg(Algorithm):
         return {**weights, **{n: weights[n] + d for n, d in state["adapt"].items()}}
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        n = len(uploads)
-        weights = torch.full((n,), 1.0 / n) if self.p.weights == "uniform" else sample_weights(uploads)
+        weights = uniform_weights(uploads) if self.p.weights == "uniform" else sample_weights(uploads)
         mean = weighted_average([u.payload.model_state() for u in uploads], weights)
         return ServerUpdate({**server, "weights": mean})

@@ -52,6 +52,7 @@ from fedskew.algorithms.base import (
     Upload,
     model_arrays,
     sample_weights,
+    uniform_weights,
     weighted_average,
 )
 
@@ -167,8 +168,7 @@ class PFedMe(Algorithm):
     # ---------------------------------------------------------------- server
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """w^{t+1} = (1 − β) w^t + β mean_S(w_{i,R}) on the parameters; buffers: the mean."""
-        n = len(uploads)
-        weights = torch.full((n,), 1.0 / n) if self.p.weights == "uniform" else sample_weights(uploads)
+        weights = uniform_weights(uploads) if self.p.weights == "uniform" else sample_weights(uploads)
         mean = weighted_average([u.payload.model_state() for u in uploads], weights)
         old, beta = server["weights"], self.p.beta
         new = {k: (1 - beta) * old[k] + beta * v if k in self.params else v for k, v in mean.items()}

@@ -43,6 +43,7 @@ from fedskew.algorithms.base import (
     State,
     Upload,
     model_arrays,
+    uniform_weights,
     weighted_average,
 )
 from fedskew.algorithms.fednova import normalizer
@@ -165,7 +166,7 @@ class Scaffold(Algorithm):
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         x = server["weights"]
         n = len(uploads)
-        uniform = torch.full((n,), 1.0 / n)  # the paper averages uniformly over the sampled set S
+        uniform = uniform_weights(uploads)  # the paper averages uniformly over the sampled set S
         mean_y = weighted_average([u.payload.model_state() for u in uploads], uniform)
         mean_dc = weighted_average([u.payload.prefixed(CONTROL_PREFIX) for u in uploads], uniform)
         new = dict(mean_y)  # buffers: the plain mean over participants
