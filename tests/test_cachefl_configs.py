@@ -56,8 +56,10 @@ def test_the_caltech101_config_runs_on_a_tiny_folder_with_a_random_clip(tmp_path
         f"data.root={tmp_path}",
         "data.options.size=32",
         "data.shots=3",
+        "data.val_shots=1",  # the tiny split file's val split holds 1 image per class
         "data.num_clients=3",
         "data.vision_language.backbone.options.model=null",
+        "data.vision_language.backbone.options.pretrained=null",
         f"data.vision_language.backbone.options.model_config={json.dumps(TINY)}",
         "data.vision_language.generator={name: procedural}",
         "data.vision_language.shots=2",

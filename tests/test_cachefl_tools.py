@@ -94,3 +94,79 @@ def test_exported_features_reload_through_the_features_backbone(tmp_path):
     assert torch.allclose(reloaded.x_train, direct.x_train, atol=1e-6)
     for key in ("cache_x", "text"):
         assert torch.allclose(reloaded.meta["assets"][key], direct.meta["assets"][key], atol=1e-6)
+
+
+def finished_run(tmp_path, algorithm: dict, **data):
+    from fedskew.experiment.runner import run_experiment
+
+    raw = digits_vl(val_fraction=0.3, **data)
+    raw["algorithm"] = algorithm
+    raw["client"] = {"lr": 0.5, "batch_size": 8}
+    out = tmp_path / "runs" / "name" / "seed0"
+    run_experiment(build_config(raw), out)
+    return out, build_config(raw)
+
+
+def test_posthoc_rechooses_alpha_beta_on_validation_with_the_trained_keys(tmp_path):
+    import json
+
+    from fedskew.experiment.cachefl_tools import posthoc_search
+
+    run, cfg = finished_run(tmp_path, {"name": "cachefl", "alpha": 1.0, "beta": 1.0})
+    result = posthoc_search(run, alpha_max=3.0, beta_max=5.0)
+    fed = build_data(cfg)
+    assets, ds = fed.dataset.meta["assets"], fed.dataset
+    keys = torch.load(run / "checkpoint.pt", weights_only=False)["server"]["weights"]["model.keys"]
+    assert not torch.allclose(keys, assets["cache_x"])  # trained keys, not the initial cache
+    val = torch.cat(fed.val_idx)
+    alphas, betas = tip_adapter_grid(3.0, 5.0)
+    grid = grid_accuracy(
+        ds.x_train[val], ds.y_train[val], assets["text"], keys, assets["cache_y"], alphas, betas, 100.0
+    )
+    assert result["val_accuracy"] == pytest.approx(float(grid.max()))
+    i, j = divmod(int(grid.argmax()), len(alphas))
+    assert result["choice"] == {"alpha": round(float(alphas[j]), 6), "beta": round(float(betas[i]), 6)}
+    # the test accuracy reported is Eq. (7)'s at the chosen point, with the trained keys
+    a, b = result["choice"]["alpha"], result["choice"]["beta"]
+    logits = (
+        100 * ds.x_test @ assets["text"].T
+        + a * torch.exp(-b * (1 - ds.x_test @ keys.T)) @ F.one_hot(assets["cache_y"], ds.num_classes).float()
+    )
+    assert result["accuracy"] == pytest.approx(
+        float((logits.argmax(1) == ds.y_test).float().mean()), abs=1e-4
+    )
+    json.dumps(result)  # the CLI writes it as JSON
+
+
+def test_posthoc_rechooses_adapterfls_ratio_and_refuses_other_methods(tmp_path):
+    from fedskew.experiment.cachefl_tools import posthoc_search
+
+    run, _ = finished_run(tmp_path, {"name": "adapterfl", "reduction": 2})
+    result = posthoc_search(run)
+    assert result["candidates"] == 21 and 0.0 <= result["choice"]["ratio"] <= 1.0
+    zero, _ = finished_run(tmp_path / "z", {"name": "zeroshot"})
+    with pytest.raises(ConfigError, match="posthoc search needs a finished run"):
+        posthoc_search(zero)
+
+
+def test_keys_drift_is_logged_per_round_and_is_the_relative_frobenius_change(tmp_path):
+    import json
+
+    run, cfg = finished_run(tmp_path, {"name": "cachefl", "alpha": 1.0, "beta": 1.0})
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    keys = torch.load(run / "checkpoint.pt", weights_only=False)["server"]["weights"]["model.keys"].double()
+    initial = build_data(cfg).dataset.meta["assets"]["cache_x"].double()
+    assert last["keys_drift"] == pytest.approx(float((keys - initial).norm() / initial.norm()), rel=1e-6)
+    assert last["keys_drift"] > 0 and last["keys_norm"] == pytest.approx(float(keys.norm(dim=1).mean()))
+
+
+def test_generator_seed_run_draws_a_new_synthetic_set_per_run_seed():
+    fixed = [build_data(build_config({**digits_vl(), "seed": s})).dataset.meta["assets"] for s in (0, 1)]
+    assert torch.equal(fixed[0]["cache_x"], fixed[1]["cache_x"])  # one set per dataset (the default)
+    per_run = []
+    for s in (0, 1):
+        raw = {**digits_vl(), "seed": s}
+        raw["data"]["vision_language"]["seed"] = "run"
+        per_run.append(build_data(build_config(raw)).dataset.meta["assets"])
+    assert torch.equal(per_run[0]["cache_x"], fixed[0]["cache_x"])  # run seed 0 = generator seed 0
+    assert not torch.equal(per_run[1]["cache_x"], per_run[0]["cache_x"])

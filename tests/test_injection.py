@@ -101,7 +101,7 @@ def _custom(cfg_raw: dict[str, Any]) -> tuple[Simulation, RecordingExecutor, Con
     data = build_data(cfg)
     algorithm, models = build_algorithm(cfg, data)
     rt = ClientRuntime(
-        algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, models.device
+        algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, cfg.rounds, models.device
     )
     server = initial_server(algorithm, models, cfg.seed)
     executor = RecordingExecutor(EmbeddedExecutor(rt, cfg.engine))

@@ -337,6 +337,28 @@ def cachefl_search(
     typer.echo(f"--set algorithm.alpha={result['alpha']} --set algorithm.beta={result['beta']}")
 
 
+@app.command("cachefl-posthoc")
+def cachefl_posthoc(
+    runs: list[Path] = typer.Argument(..., help="finished CacheFL / AdapterFL run folders (<name>/seed<k>)"),
+    out: Path = typer.Option(..., "--out", help="folder: writes OUT/<name>/seed<k>.json per run"),
+    alpha_max: float = typer.Option(10.0, "--alpha-max", help="Tip-Adapter search scale of α"),
+    beta_max: float = typer.Option(10.0, "--beta-max", help="Tip-Adapter search scale of β"),
+) -> None:
+    """Re-choose a finished run's head hyper-parameters (CacheFL α/β, AdapterFL ρ) on its validation split
+    with the trained head (Tip-Adapter-F's order); the test accuracy of the choice is reported beside it."""
+    import json
+
+    from fedskew.experiment.cachefl_tools import posthoc_search
+
+    for run in runs:
+        result = posthoc_search(run, alpha_max, beta_max)
+        dest = out / run.parent.name / f"{run.name}.json"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(result, indent=2) + "\n")
+        scores = f"val {result['val_accuracy']:.4f} test {result['accuracy']:.4f}"
+        typer.echo(f"{run}: {json.dumps(result['choice'])} {scores}")
+
+
 @data_app.command("show")
 def data_show(
     config: Path = typer.Argument(..., help="YAML config file"),

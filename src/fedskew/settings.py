@@ -7,9 +7,11 @@ second type.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Callable
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class Strict(BaseModel):
@@ -18,16 +20,87 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults
+
+
+def _constant_shape(t: int, rounds: int, floor: float) -> float:
+    return 1.0
+
+
+def _cosine_shape(t: int, rounds: int, floor: float) -> float:
+    """η_min/η + (1 − η_min/η) · ½(1 + cos(π (t − 1) / T)): cosine annealing (Loshchilov & Hutter 2017,
+    Eq. 5, the restart-free schedule of ``torch.optim.lr_scheduler.CosineAnnealingLR``) over the run's rounds
+    t = 1..T instead of over iterations."""
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * (t - 1) / rounds))
+
+
+#: ``client.lr_schedule``: the round-t shape of the learning rate, a factor of ``client.lr`` (``floor`` is
+#: ``lr_min / lr``)
+LR_SHAPES: dict[str, Callable[[int, int, float], float]] = {
+    "constant": _constant_shape,
+    "cosine": _cosine_shape,
+}
+
+
 class ClientSection(Strict):
     epochs: int = Field(1, ge=0, description="local epochs per round")
     batch_size: int = Field(32, ge=1, description="local mini-batch size")
-    lr: float = Field(0.01, gt=0, description="local SGD learning rate")
-    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
+    lr: float = Field(0.01, gt=0, description="local learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum (0 with optimizer adamw)")
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="weight decay: sgd adds weight_decay·p to the gradient; adamw decays p ← p − lr·wd·p "
+        "(decoupled; torch.optim.AdamW's default, and Tip-Adapter-F's, is 0.01)",
+    )
     fraction: float = Field(1.0, gt=0, le=1, description="share of clients sampled per round")
     lr_decay: float = Field(
         1.0, gt=0, le=1, description="round-t learning rate = lr · lr_decay^(t−1) (MP-FedCL: 0.95)"
     )
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd",
+        description="local optimizer: sgd (momentum, L2 weight decay), or adamw (torch.optim.AdamW's update; "
+        "a deviation for adapter fine-tuning, Tip-Adapter-F); its state is fresh every round",
+    )
+    betas: tuple[Beta, Beta] = Field(ADAMW_BETAS, description="adamw: the moments' decay rates (β₁, β₂)")
+    eps: float = Field(ADAMW_EPS, gt=0, description="adamw: ε added to √v̂ (Tip-Adapter-F: 1e-4)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="round-t learning rate shape, times lr_decay's factor: constant, or cosine: "
+        "lr_min + (lr − lr_min)·½(1 + cos(π(t−1)/T)) over the run's T rounds",
+    )
+    lr_min: float = Field(0.0, ge=0, description="cosine: the learning rate η_min approached at round T")
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, v: str, info: ValidationInfo) -> str:
+        if v == "adamw" and info.data.get("momentum"):
+            raise ValueError("adamw needs client.momentum=0 (β₁ is its momentum); allowed with momentum: sgd")
+        return v
+
+    @field_validator("betas", "eps")
+    @classmethod
+    def _adamw_only(cls, v: object, info: ValidationInfo) -> object:
+        default = {"betas": ADAMW_BETAS, "eps": ADAMW_EPS}[str(info.field_name)]
+        if v != default and info.data.get("optimizer") != "adamw":
+            raise ValueError(f"client.{info.field_name} applies to client.optimizer=adamw only")
+        return v
+
+    @field_validator("lr_min")
+    @classmethod
+    def _lr_min(cls, v: float, info: ValidationInfo) -> float:
+        if v and info.data.get("lr_schedule") != "cosine":
+            raise ValueError("client.lr_min applies to client.lr_schedule=cosine only")
+        if v > info.data.get("lr", math.inf):
+            raise ValueError(f"client.lr_min must not exceed client.lr={info.data['lr']}")
+        return v
+
+    def round_lr_scale(self, round_idx: int, rounds: int) -> float:
+        """The factor on every phase's learning rate in round ``round_idx`` (1-based) of a ``rounds``-round
+        run: ``lr_decay^(t−1)`` times the ``lr_schedule`` shape (1 for ``constant``)."""
+        shape = LR_SHAPES[self.lr_schedule](round_idx, rounds, self.lr_min / self.lr)
+        return self.lr_decay ** (round_idx - 1) * shape
 
 
 class EvalSection(Strict):

@@ -171,7 +171,8 @@ class APFL(Algorithm):
         loss_bar = F.cross_entropy(self.mixed_forward(model, alpha, batch.x, out_w), batch.y)
         if update:
             (g,) = torch.autograd.grad(loss_bar, alpha, retain_graph=True)
-            lr = self.p.alpha_lr or self.ctx.client.lr * self.ctx.client.lr_decay ** (step.info.round - 1)
+            client = self.ctx.client  # the round's rate: lr_decay and lr_schedule
+            lr = self.p.alpha_lr or client.lr * client.round_lr_scale(step.info.round, self.ctx.rounds)
             with torch.no_grad():
                 step.scratch["alpha"].copy_((alpha - lr * (g + self.p.alpha_l2 * alpha)).clamp(0.0, 1.0))
         step.scratch["steps"].add_(1)

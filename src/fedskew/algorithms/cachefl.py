@@ -143,8 +143,17 @@ class CacheFL(VisionLanguageMethod):
         """Eq. (9): ``W1 ← Σ_k w_k W1_k`` with ``w_k = n_k / Σ_{S_t} n_j`` (or ``n_k / n``, ``total``)."""
         n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
         total = n.sum() if self.p.aggregation == "participants" else self.ctx.client_sizes.double().sum()
-        new = weighted_average([u.payload.model_state() for u in uploads], n / total)
-        return ServerUpdate({**server, "weights": model_arrays(new)})
+        new = model_arrays(weighted_average([u.payload.model_state() for u in uploads], n / total))
+        return ServerUpdate({**server, "weights": new}, self.keys_drift(new))
+
+    def keys_drift(self, weights: State) -> dict[str, float]:
+        """Round diagnostics of the averaged keys W1 against the initial synthetic cache W1⁰ (Eq. 3):
+        ``keys_drift`` = ‖W1 − W1⁰‖_F / ‖W1⁰‖_F and ``keys_norm`` = the mean row norm of W1 (1 at the start;
+        keys are not re-normalised after training unless ``renormalize_keys``)."""
+        initial = self.ctx.assets["cache_x"].to(dtype=torch.float64)
+        keys = next(v for k, v in weights.items() if k.endswith("keys")).detach().cpu().double()
+        drift = float(torch.linalg.norm(keys - initial) / torch.linalg.norm(initial))
+        return {"keys_drift": drift, "keys_norm": float(keys.norm(dim=1).mean())}
 
 
 @ALGORITHMS.register("cachefl_notrain")

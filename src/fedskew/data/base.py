@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedskew.errors import DataError
 from fedskew.registry import Registry, check_options
 
 #: name -> ``loader(root: Path, **options) -> Dataset``
@@ -49,6 +50,17 @@ class Normaliser:
         return x
 
 
+@dataclass(frozen=True)
+class FewShotSubset:
+    """The few-shot draw a loader decoded instead of the whole training split (CoOp's 16-shot protocol on
+    ImageNet-sized sets): exactly the rows :func:`~fedskew.data.federated.build_federated` uses with
+    ``shots``, ``val_shots`` and ``seed``, so it must be called with the same three values."""
+
+    shots: int
+    val_shots: int | None
+    seed: int
+
+
 @dataclass
 class Dataset:
     """A labelled dataset held as tensors, never as per-sample Python objects.
@@ -56,6 +68,9 @@ class Dataset:
     Images are ``uint8`` tensors ``[N, C, H, W]`` (values 0..255); :meth:`to_float` converts a batch
     or the whole set to normalised ``float32``. Tabular data may be stored as ``float32`` directly.
     ``domain_train`` / ``domain_test`` (int64) tag each sample with a domain (feature skew).
+    ``val_pool`` (bool ``[N_train]``) marks training rows that form a separate validation pool (CoOp's
+    ``val`` split): they are never partitioned, and ``data.val_shots`` draws validation from them only.
+    ``subset`` says the training rows are only a decoded few-shot draw (:class:`FewShotSubset`).
     """
 
     name: str
@@ -71,6 +86,16 @@ class Dataset:
     domain_test: Tensor | None = None
     domain_names: list[str] | None = None
     meta: dict = field(default_factory=dict)
+    val_pool: Tensor | None = None
+    subset: FewShotSubset | None = None
+
+    def __post_init__(self) -> None:
+        pool = self.val_pool
+        if pool is not None and (pool.dtype != torch.bool or tuple(pool.shape) != (len(self.y_train),)):
+            raise DataError(
+                f"dataset '{self.name}': val_pool must be a bool mask over the {len(self.y_train)} training "
+                f"rows, got {pool.dtype} {tuple(pool.shape)}"
+            )
 
     @property
     def in_shape(self) -> tuple[int, ...]:

@@ -150,6 +150,52 @@ def _training_subset(labels: np.ndarray, shots: int | None, num_classes: int, se
     return few_shot_indices(labels, shots, num_classes, child_seed(seed, _SHOTS_TAG))
 
 
+def _candidate_rows(val_pool: Tensor | None, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(rows the partition may use, rows of the validation pool) among the first ``limit`` training rows:
+    all rows and ``None`` without a pool; else the rows outside and inside it."""
+    if val_pool is None:
+        return np.arange(limit), None
+    mask = val_pool.cpu().numpy()[:limit]
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+def _shots_and_outside(
+    labels: np.ndarray, val_pool: Tensor | None, limit: int, num_classes: int, seed: int, shots: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows the partition splits: all candidates or ``shots`` per class of them, rows ``val_shots`` are
+    drawn from: the validation pool, else the candidates outside the shots)."""
+    candidates, pool = _candidate_rows(val_pool, limit)
+    subset = candidates[_training_subset(labels[candidates], shots, num_classes, seed)]
+    return subset, np.setdiff1d(candidates, subset) if pool is None else pool
+
+
+def _validation_draw(
+    labels: np.ndarray, outside: np.ndarray, val_shots: int, num_classes: int, seed: int
+) -> np.ndarray:
+    """``val_shots`` seeded rows per class of the rows ``outside`` (sorted)."""
+    draw = few_shot_indices(labels[outside], val_shots, num_classes, child_seed(seed, _VAL_SHOTS_TAG))
+    return outside[draw]
+
+
+def few_shot_rows(
+    labels: np.ndarray,
+    val_pool: Tensor | None,
+    num_classes: int,
+    seed: int,
+    shots: int,
+    val_shots: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(shot rows, validation rows), sorted: the training rows :func:`build_federated` uses with ``shots``
+    / ``val_shots`` / ``seed`` (no ``train_limit``): the seeded shots outside the validation pool, and the
+    validation draw (from the pool, else from outside the shots; empty without ``val_shots``). Loaders
+    decode only these rows of huge sets (ImageNet), the validation rows as the decoded set's pool; the
+    clients built on the decoded rows are then the same as on the whole set."""
+    subset, outside = _shots_and_outside(labels, val_pool, len(labels), num_classes, seed, shots)
+    if val_shots is None:
+        return subset, np.zeros(0, dtype=np.int64)
+    return subset, _validation_draw(labels, outside, val_shots, num_classes, seed)
+
+
 def _few_shot_validation(
     labels: np.ndarray,
     parts: list[np.ndarray],
@@ -158,11 +204,10 @@ def _few_shot_validation(
     num_classes: int,
     seed: int,
 ) -> list[np.ndarray]:
-    """``val_shots`` samples per class from the training indices ``outside`` the shots, dealt to the clients
-    in proportion to their training class mix (the default rule of ``client_test_split``)."""
-    pool = outside[
-        few_shot_indices(labels[outside], val_shots, num_classes, child_seed(seed, _VAL_SHOTS_TAG))
-    ]
+    """``val_shots`` samples per class from the training indices ``outside`` the shots (or the dataset's
+    validation pool), dealt to the clients in proportion to their training class mix (the default rule of
+    ``client_test_split``)."""
+    pool = _validation_draw(labels, outside, val_shots, num_classes, seed)
     train_labels = [labels[p] for p in parts]
     val, _ = client_test_split(
         train_labels, labels[pool], child_seed(seed, _VAL_TAG), num_classes=num_classes
@@ -177,6 +222,18 @@ def _check_sizes(num_clients: int, shots: int | None, val_shots: int | None, val
     if val_shots is not None and (shots is None or val_fraction > 0):
         raise ConfigError(
             "config key 'data.val_shots' needs data.shots and replaces data.val_fraction (set it 0)"
+        )
+
+
+def _check_subset(dataset: Dataset, shots: int | None, val_shots: int | None, seed: int) -> None:
+    """A dataset that decoded only one few-shot draw must be split with that draw's settings."""
+    sub = dataset.subset
+    if sub is not None and (sub.shots, sub.val_shots, sub.seed) != (shots, val_shots, seed):
+        raise ConfigError(
+            f"dataset '{dataset.name}' decoded only the rows of shots={sub.shots}, "
+            f"val_shots={sub.val_shots}, seed={sub.seed} (data.options shots_per_class / val_per_class / "
+            f"subset_seed), but the run asks for shots={shots}, val_shots={val_shots}, seed={seed}; "
+            "set them equal"
         )
 
 
@@ -221,16 +278,19 @@ def build_federated(
     the partition from its own sub-seed of ``seed`` (within the first ``train_limit`` when both are set), so
     every partition scheme and algorithm of one seed sees the same few-shot set. ``val_shots=V`` (with
     ``shots``, instead of ``val_fraction``) draws ``V`` further samples per class from outside the shots and
-    gives each client a validation split in proportion to its training class mix. Unknown options raise
+    gives each client a validation split in proportion to its training class mix. A dataset with a validation
+    pool (``dataset.val_pool``, CoOp's ``val`` split) never partitions the pool's rows: the shots (or all
+    rows) come from outside it and ``val_shots`` from inside it. Unknown options raise
     :class:`ConfigError` with a did-you-mean; a client left without training samples raises
     :class:`DataError`.
     """
     _check_sizes(num_clients, shots, val_shots, val_fraction)
+    _check_subset(dataset, shots, val_shots, seed)
     labels = dataset.y_train.cpu().numpy().astype(np.int64, copy=False)
     domains = None if dataset.domain_train is None else dataset.domain_train.cpu().numpy()
     # the partition sees the subset only; its parts are mapped back to indices of the full training set
     limit = len(labels) if train_limit is None else min(train_limit, len(labels))
-    subset = _training_subset(labels[:limit], shots, dataset.num_classes, seed)
+    subset, outside = _shots_and_outside(labels, dataset.val_pool, limit, dataset.num_classes, seed, shots)
     sub_domains = None if domains is None else domains[subset]
     parts = apply_partition(
         partition, labels[subset], num_clients, seed, num_classes=dataset.num_classes, domains=sub_domains
@@ -242,7 +302,6 @@ def build_federated(
     if val_shots is None:
         train, val = validation_split(parts, val_fraction, child_seed(seed, _VAL_TAG))
     else:
-        outside = np.setdiff1d(np.arange(limit), subset)
         train, val = parts, _few_shot_validation(labels, parts, outside, val_shots, dataset.num_classes, seed)
     return FederatedData(
         dataset=dataset,

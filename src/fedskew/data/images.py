@@ -67,25 +67,52 @@ def common_shape(shapes: Sequence[tuple[int, int]], size: int | None, dataset: s
     return distinct[0] if distinct else (1, 1)
 
 
-def to_array(im: Any, mode: str, size: int | None) -> np.ndarray:
-    """One Pillow image -> ``uint8 [H, W, C]`` in ``mode``, bilinearly resized to ``size`` when given."""
+def _squash(im: Any, mode: str, size: int) -> Any:
+    """Both sides to ``size``, bilinear (the aspect ratio is lost)."""
     from PIL import Image
 
-    if size is not None:
-        im.draft(mode, (size, size))  # JPEG: decode at a power-of-2 reduced scale first (much faster)
-        im = im.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
-    else:
-        im = im.convert(mode)
+    im.draft(mode, (size, size))  # JPEG: decode at a power-of-2 reduced scale first (much faster)
+    return im.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+
+
+def _shortest(im: Any, mode: str, size: int) -> Any:
+    """CLIP's preprocessing in CLIP's order: bicubic resize of the shortest side to ``size`` (the long side
+    to ``int(size * long / short)``), the centred ``size x size`` crop, then the mode conversion."""
+    from PIL import Image
+
+    w, h = im.size
+    new = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
+    im = im.resize(new, Image.Resampling.BICUBIC) if new != (w, h) else im
+    left, top = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)
+    return im.crop((left, top, left + size, top + size)).convert(mode)
+
+
+#: ``resize`` decode options: ``squash`` (default) or ``shortest`` (CLIP: shortest side + centre crop)
+RESIZES: dict[str, Callable[[Any, str, int], Any]] = {"squash": _squash, "shortest": _shortest}
+
+
+def check_resize(resize: str, size: int | None, dataset: str) -> None:
+    """``ConfigError`` unless ``resize`` names a :data:`RESIZES` entry (``shortest`` needs ``size``)."""
+    if resize not in RESIZES:
+        raise ConfigError(f"dataset '{dataset}': resize must be one of {', '.join(RESIZES)}, got {resize!r}")
+    if resize != "squash" and size is None:
+        raise ConfigError(f"dataset '{dataset}': resize {resize!r} needs size (the side of the square crop)")
+
+
+def to_array(im: Any, mode: str, size: int | None, resize: str = "squash") -> np.ndarray:
+    """One Pillow image -> ``uint8 [H, W, C]`` in ``mode``, resized to ``size x size`` by
+    ``RESIZES[resize]`` when ``size`` is given."""
+    im = im.convert(mode) if size is None else RESIZES[resize](im, mode, size)
     return np.asarray(im).reshape(im.size[1], im.size[0], CHANNELS[mode])
 
 
-def decode(path: Path, mode: str, size: int | None) -> np.ndarray:
+def decode(path: Path, mode: str, size: int | None, resize: str = "squash") -> np.ndarray:
     """Decode one image file with Pillow (``DataError`` naming the file when it is not an image)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
-            return to_array(im, mode, size)
+            return to_array(im, mode, size, resize)
     except (OSError, UnidentifiedImageError, ValueError) as err:
         raise DataError(f"cannot decode image {path}: {err}") from None
 
@@ -138,20 +165,28 @@ def _load_cache(path: Path, n: int, mode: str) -> Tensor | None:
 
 
 def cached_images(
-    paths: Sequence[Path], size: int | None, mode: str | None, cache_dir: Path | None, dataset: str
+    paths: Sequence[Path],
+    size: int | None,
+    mode: str | None,
+    cache_dir: Path | None,
+    dataset: str,
+    resize: str = "squash",
 ) -> tuple[Tensor, str]:
-    """Decode ``paths`` once into ``uint8 [N, C, H, W]`` (``mode`` ``None``: decided from the images).
+    """Decode ``paths`` once into ``uint8 [N, C, H, W]`` (``mode`` ``None``: decided from the images;
+    ``resize``: how images reach ``size x size``, :data:`RESIZES`).
 
     With ``cache_dir`` the tensor is stored as ``<cache_dir>/<dataset>-<listing key>.pt`` and read back on
     the next call; a read-only cache folder only disables the cache. Returns the images and the mode used.
     """
+    check_resize(resize, size, dataset)
     modes, shapes = probe(paths) if mode is None or size is None else ([], [])
     mode = mode or choose_mode(modes)
     shape = common_shape(shapes, size, dataset)
-    cache = None if cache_dir is None else cache_dir / f"{dataset}-{listing_key(paths, size, mode)}.pt"
+    options = (size, mode) if resize == "squash" else (size, mode, resize)  # squash: the keys of before
+    cache = None if cache_dir is None else cache_dir / f"{dataset}-{listing_key(paths, *options)}.pt"
     if cache is not None and (hit := _load_cache(cache, len(paths), mode)) is not None:
         return hit, mode
-    x = torch.from_numpy(stack(len(paths), shape, mode, lambda i: decode(paths[i], mode, size)))
+    x = torch.from_numpy(stack(len(paths), shape, mode, lambda i: decode(paths[i], mode, size, resize)))
     if cache is not None:
         save_atomic(cache, x)
     return x, mode

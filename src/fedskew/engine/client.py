@@ -2,12 +2,13 @@
 
 :func:`train_client` goes from a client's payload and state to a :class:`ClientOutcome`: load the weights
 the algorithm names, plan (``start_local``), load the plan's ``start_weights`` if it has any, make the
-scratch tensors (``init_scratch``), run the engine's optimizer over the algorithm's loss, and finish
-(``finish_local``). It commits nothing: the caller owns the round. The sequential executor, the worker
-processes and a Flower ClientApp call it as is; the vectorized trainer runs the same hooks around a
-batched optimizer loop, sharing :func:`prepare_client` (so it stacks the parameters a client starts from,
-its ``start_weights`` included), :func:`finish_client`, the schedule (:mod:`fedskew.engine.schedule`) and
-the update rule (:mod:`fedskew.engine.sgd`).
+scratch tensors (``init_scratch``), run the engine's optimizer (``client.optimizer``) over the algorithm's
+loss, and finish (``finish_local``). It commits nothing: the caller owns the round. The sequential
+executor, the worker processes and a Flower ClientApp call it as is; the vectorized trainer runs the same
+hooks around a batched optimizer loop, sharing :func:`prepare_client` (so it stacks the parameters a
+client starts from, its ``start_weights`` included, and trains at its round's learning-rate factor),
+:func:`finish_client`, the schedule (:mod:`fedskew.engine.schedule`) and the update rule
+(:mod:`fedskew.engine.optimizers`).
 
 Randomness is derived from ``(seed, round, client)``, so results do not depend on the order clients are
 run in, nor on the process that runs them.
@@ -38,10 +39,10 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.batching import epoch_batches
 from fedskew.engine.device import precision_context
+from fedskew.engine.optimizers import LocalOptimizer, local_optimizer
 from fedskew.engine.policy import client_raised, finite_upload
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.schedule import EpochLoss, NonFiniteLoss, local_schedule
-from fedskew.engine.sgd import SGD
 from fedskew.engine.types import ClientOutcome, tree_to
 from fedskew.seeding import derive_seed, seed_torch
 from fedskew.settings import ClientSection
@@ -93,8 +94,8 @@ def prepare_client(
     step = step.replace(derived=plan.derived)
     step = step.replace(scratch=Scratch(alg.init_scratch(step)))
     gen = torch.Generator().manual_seed(seed)
-    decay = rt.client.lr_decay ** (round_idx - 1)
-    return PreparedClient(step, plan.phases, gen, seed, decay)
+    scale = rt.client.round_lr_scale(round_idx, rt.rounds)  # lr_decay x the lr_schedule's shape
+    return PreparedClient(step, plan.phases, gen, seed, scale)
 
 
 def load_start_weights(model: nn.Module, weights: Mapping[str, Tensor], algorithm: str) -> None:
@@ -152,22 +153,22 @@ def run_phases(
     cfg: ClientSection,
     precision: str = "fp32",
 ) -> LocalResult:
-    """The client's schedule (:func:`~fedskew.engine.schedule.local_schedule`) of mini-batch SGD on
-    ``model`` over the client's tensors; the loss under ``engine.precision``. Raises :class:`NonFiniteLoss`
-    after an epoch whose loss is NaN/Inf."""
+    """The client's schedule (:func:`~fedskew.engine.schedule.local_schedule`) of mini-batch steps of
+    ``client.optimizer`` (:mod:`fedskew.engine.optimizers`) on ``model`` over the client's tensors; the loss
+    under ``engine.precision``. Raises :class:`NonFiniteLoss` after an epoch whose loss is NaN/Inf."""
     step, view = client.step.replace(model=model), client.step.client
     model.train()
     named = list(model.named_parameters())
     schedule = local_schedule(client.phases, cfg, client.lr_scale, [n for n, _ in named])
     steps, last_loss = 0, float("nan")
-    opt: SGD | None = None
+    opt: LocalOptimizer | None = None
     try:
         for spec in schedule:
-            if opt is None or spec.epoch == 0:  # a new phase: its parameters, a fresh momentum
+            if opt is None or spec.epoch == 0:  # a new phase: its parameters, a fresh optimizer state
                 chosen = set(spec.trainable)
                 for name, p in named:
                     p.requires_grad_(name in chosen)
-                opt = SGD([p for n, p in named if n in chosen], spec.lr, spec.momentum, cfg.weight_decay)
+                opt = local_optimizer(cfg, [p for n, p in named if n in chosen], spec.lr, spec.momentum)
             totals = EpochLoss(1, view.x.device)
             for idx in epoch_batches(view.num_samples, cfg.batch_size, client.generator, view.x.device):
                 batch = Batch(view.x[idx], view.y[idx], epoch=spec.epoch, last_epoch=spec.last)

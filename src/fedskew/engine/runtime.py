@@ -135,13 +135,15 @@ class ModelCache:
 
 @dataclass
 class ClientRuntime:
-    """The algorithm, the clients' data and models, the local-training settings and the run's seed."""
+    """The algorithm, the clients' data and models, the local-training settings, the run's seed and its
+    number of rounds (what ``client.lr_schedule`` anneals over)."""
 
     algorithm: Algorithm
     data: ClientData
     models: ModelCache
     client: ClientSection
     seed: int
+    rounds: int
     device: torch.device
     on_client_error: str = "drop_non_finite"  # engine.on_client_error (fedskew.engine.policy)
     precision: str = "fp32"  # engine.precision: the forward passes' autocast (fedskew.engine.device)

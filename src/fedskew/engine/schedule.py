@@ -2,9 +2,10 @@
 
 One place decides, for the sequential loop (:func:`fedskew.engine.client.run_phases`) and the vectorized
 trainer (:mod:`fedskew.engine.vectorized`) alike: the epochs of every phase in order, each with its
-learning rate (the phase's rate times the round's ``client.lr_decay`` factor), momentum, trainable
-parameters and last-epoch flag; the running loss totals (:class:`EpochLoss`); and the non-finite rule (a
-client whose epoch loss is NaN/Inf is rejected). The mini-batches of an epoch are
+learning rate (the phase's rate times the round's factor, ``client.lr_decay`` and ``client.lr_schedule``:
+:meth:`~fedskew.settings.ClientSection.round_lr_scale`), momentum, trainable parameters and last-epoch
+flag; the running loss totals (:class:`EpochLoss`); and the non-finite rule (a client whose epoch loss is
+NaN/Inf is rejected). The mini-batches of an epoch are
 :func:`fedskew.algorithms.batching.epoch_batches`, which methods' auxiliary computations share.
 """
 
@@ -31,7 +32,7 @@ class EpochSpec:
     phase: int  # index of the phase
     epoch: int  # epoch within the phase
     last: bool  # the last epoch of the last phase (``Batch.last_epoch``)
-    lr: float  # phase lr x the round's lr_decay factor
+    lr: float  # phase lr x the round's factor (lr_decay, lr_schedule)
     momentum: float
     trainable: tuple[str, ...]  # names of the parameters this epoch trains
 

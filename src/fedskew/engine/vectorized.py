@@ -2,17 +2,18 @@
 
 Every sampled client's parameters are stacked (``[K, ...]`` per tensor) and one ``torch.func.vmap`` of
 ``grad`` of the algorithm's own :meth:`~fedskew.algorithms.base.Algorithm.local_loss` (through the public
-``torch.func.functional_call``) computes all clients' gradients in one call, followed by the engine's one
-SGD rule (:mod:`fedskew.engine.sgd`) on the stacked parameters. The schedule (epochs, learning rates,
-momentum, last-epoch flag), the batching, the loss totals and the non-finite rule are the sequential
-loop's (:mod:`fedskew.engine.schedule`). Each client keeps its own mini-batch order, drawn from the same
-per-(seed, round, client) generator as the sequential loop, so ragged client sizes are handled by step
-masks: at step t only the clients that still have a batch take part, grouped by batch size (the last batch
-of an epoch is shorter). Chunks of clients are sized to ``engine.memory_mb``. Hooks that are not per-batch
-losses (``start_local``, ``finish_local``: prototypes, control variates, ...) run per client around the
-vectorized loop, with the client's own weights loaded into the shared model. What an algorithm keeps
-across batches lives in the tensors of its ``init_scratch``, stacked over clients like the parameters and
-updated in place under ``vmap`` (FedProto's last-epoch prototype sums): batched, not per client.
+``torch.func.functional_call``) computes all clients' gradients in one call, followed by the engine's
+update rule (``client.optimizer``, :mod:`fedskew.engine.optimizers`) on the stacked parameters. The
+schedule (epochs, learning rates, momentum, last-epoch flag), the batching, the loss totals and the
+non-finite rule are the sequential loop's (:mod:`fedskew.engine.schedule`). Each client keeps its own
+mini-batch order, drawn from the same per-(seed, round, client) generator as the sequential loop, so
+ragged client sizes are handled by step masks: at step t only the clients that still have a batch take
+part, grouped by batch size (the last batch of an epoch is shorter). Chunks of clients are sized to
+``engine.memory_mb``. Hooks that are not per-batch losses (``start_local``, ``finish_local``: prototypes,
+control variates, ...) run per client around the vectorized loop, with the client's own weights loaded
+into the shared model. What an algorithm keeps across batches lives in the tensors of its
+``init_scratch``, stacked over clients like the parameters and updated in place under ``vmap`` (FedProto's
+last-epoch prototype sums): batched, not per client.
 
 Where it pays: small models and small batches, where a step is dominated by per-call overhead (FedProto's
 21.8k-parameter CNN at batch 8: vmap over 20 clients was 1.44x the loop, measured on the project's 2-core
@@ -23,7 +24,7 @@ An algorithm opts in with ``vectorizable = True``: its ``local_loss`` must be a 
 the batch, the payload, the client state, the derived values and the ``init_scratch`` tensors (no
 per-client modules loaded in ``start_local``, no data-dependent Python branching). Only what the loss
 reads (``loss_reads``) is stacked, so FedProto's payloads (each client's own classes) may differ in shape.
-Clients may run different learning rates (FedEnt's per-client η): the SGD step takes one per client. Under
+Clients may run different learning rates (FedEnt's per-client η): the step takes one per client. Under
 vmap the loss sees the round (``step.info.round``) but not the client (``step.client``, ``step.info.cid``).
 Models with BatchNorm running statistics cannot update them under ``vmap``. :func:`unsupported_reason` says
 why a run falls back. Dropout works (``randomness="different"``), but its random stream differs from the
@@ -54,9 +55,9 @@ from fedskew.algorithms.base import (
 from fedskew.algorithms.batching import epoch_batches
 from fedskew.engine.client import PreparedClient, finish_client, prepare_client
 from fedskew.engine.device import chunk_budget_mb, precision_context
+from fedskew.engine.optimizers import OPTIMIZERS, StackedOptimizer, stacked_optimizer
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.schedule import EpochLoss, EpochSpec, local_schedule
-from fedskew.engine.sgd import apply_step, sgd_directions
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 from fedskew.seeding import seed_torch
 
@@ -94,11 +95,12 @@ def activation_floats(model: nn.Module, x: Tensor) -> int:
     return total
 
 
-def chunk_size(model: nn.Module, x: Tensor, batch_size: int, memory_mb: float) -> int:
-    """Clients per vmap call under ``memory_mb``: per client, parameters, gradients, momentum and a copy
-    (4 floats per parameter) plus forward and backward activations of one batch (x3)."""
+def chunk_size(model: nn.Module, x: Tensor, batch_size: int, memory_mb: float, state_slots: int = 1) -> int:
+    """Clients per vmap call under ``memory_mb``: per client, parameters, gradients, a copy and the
+    optimizer's ``state_slots`` (SGD: momentum, 1; AdamW: 2) floats per parameter, plus forward and backward
+    activations of one batch (x3)."""
     params = sum(p.numel() for p in model.parameters())
-    per_client = 4 * (4 * params + 3 * batch_size * activation_floats(model, x))
+    per_client = 4 * ((3 + state_slots) * params + 3 * batch_size * activation_floats(model, x))
     return max(1, int(memory_mb * 2**20 // max(per_client, 1)))
 
 
@@ -166,7 +168,8 @@ def train_vectorized(
     order."""
     model = rt.models.model_for(cids[0])
     budget = chunk_budget_mb(rt.device, memory_mb)  # a CPU budget, or a share of the GPU's free memory
-    size = chunk_size(model, rt.data.x[:1], rt.client.batch_size, budget)
+    slots = OPTIMIZERS[rt.client.optimizer].state_slots
+    size = chunk_size(model, rt.data.x[:1], rt.client.batch_size, budget, slots)
     out: list[ClientOutcome] = []
     for start in range(0, len(cids), size):
         out += _Chunk(rt, model, job, cids[start : start + size]).train()
@@ -261,16 +264,16 @@ class _Chunk:
     def train(self) -> list[ClientOutcome]:
         """Every epoch of the common schedule, each client on its own batches; then ``finish_local``."""
         self.model.train()
-        momentum: dict[str, Tensor] = {}
+        opt: StackedOptimizer | None = None
         for e, spec in enumerate(self.clients[0].schedule):
-            if spec.epoch == 0:  # a new phase: a fresh momentum (zeros: ``m·0 + g = g``, the first step's)
-                momentum = {n: torch.zeros_like(self.params[n]) for n in spec.trainable}
+            if opt is None or spec.epoch == 0:  # a new phase: a fresh optimizer state
+                opt = stacked_optimizer(self.rt.client, self.params, spec.trainable, spec.momentum)
             lrs = [c.schedule[e].lr for c in self.clients]
             lr: float | Tensor = lrs[0] if len(set(lrs)) == 1 else torch.tensor(lrs, device=self.rt.device)
-            self._epoch(spec, lr, momentum)
+            self._epoch(spec, lr, opt)
         return [self._finish(k, c) for k, c in enumerate(self.clients)]
 
-    def _epoch(self, spec: EpochSpec, lr: float | Tensor, momentum: dict[str, Tensor]) -> None:
+    def _epoch(self, spec: EpochSpec, lr: float | Tensor, opt: StackedOptimizer) -> None:
         cfg = self.rt.client
         for c in self.clients:
             view = c.prep.step.client
@@ -282,7 +285,7 @@ class _Chunk:
                 if t < len(c.batches):
                     groups.setdefault(int(c.batches[t].numel()), []).append(k)
             for members in groups.values():
-                self._step(spec, members, t, lr, momentum, totals)
+                self._step(spec, members, t, lr, opt, totals)
         for c, mean, ok in zip(self.clients, totals.means(), totals.finite(), strict=True):
             c.loss, c.finite = mean, c.finite and ok
 
@@ -292,10 +295,10 @@ class _Chunk:
         members: list[int],
         t: int,
         lr: float | Tensor,
-        momentum: dict[str, Tensor],
+        opt: StackedOptimizer,
         totals: EpochLoss,
     ) -> None:
-        """One SGD step of the clients ``members`` (same batch size) on their batch ``t``."""
+        """One optimizer step of the clients ``members`` (same batch size) on their batch ``t``."""
         everyone = len(members) == len(self.clients)
         sel = None if everyone else torch.tensor(members, device=self.rt.device)
 
@@ -312,21 +315,14 @@ class _Chunk:
         scratch = {n: take(v) for n, v in self.scratch.items()}
         stacks = [[take(v) for v in s.tensors] for s in (self.payloads, self.states, self.derived)]
         grads, losses = self.step_fn(train, frozen, x, y, *stacks, scratch, spec.epoch, spec.last)
-        bufs: list[Tensor | None] = [take(momentum[n]) for n in trainable] if spec.momentum else []
         params = [train[n] for n in trainable]
         with torch.no_grad():
-            directions = sgd_directions(
-                params, [grads[n] for n in trainable], bufs, spec.momentum, self.rt.client.weight_decay
-            )
-            apply_step(params, directions, lr if not isinstance(lr, Tensor) else take(lr))
-            for n, p, b in zip(trainable, params, bufs or [None] * len(params), strict=True):
-                if sel is None:
-                    continue  # ``train`` and the buffers are the stacked tensors themselves
-                self.params[n].index_copy_(0, sel, p)
-                if b is not None:
-                    momentum[n].index_copy_(0, sel, b)
-            if sel is not None:  # the loss updated copies of the members' scratch: write them back
-                for n, v in scratch.items():
+            rates = lr if not isinstance(lr, Tensor) else take(lr)
+            opt.step(params, [grads[n] for n in trainable], rates, sel)
+            if sel is not None:  # otherwise ``train`` holds the stacked tensors themselves
+                for n, p in zip(trainable, params, strict=True):
+                    self.params[n].index_copy_(0, sel, p)
+                for n, v in scratch.items():  # the loss updated copies of the members' scratch
                     self.scratch[n].index_copy_(0, sel, v)
         totals.add(losses, idx.shape[1], members)
         for k in members:

@@ -81,13 +81,16 @@ def build_data(cfg: Config) -> FederatedData:
     fed = with_feature_noise(fed, cfg.data.feature_noise)
     vl = cfg.data.vision_language
     if vl is not None:
-        fed = vision_language_data(fed, vision_language_spec(vl), root)
+        fed = vision_language_data(fed, vision_language_spec(vl, cfg.seed), root)
     return fed
 
 
-def vision_language_spec(vl: VisionLanguageConfig) -> VisionLanguageSpec:
-    """The pipeline's spec from the validated ``data.vision_language`` section."""
+def vision_language_spec(vl: VisionLanguageConfig, run_seed: int) -> VisionLanguageSpec:
+    """The pipeline's spec from the validated ``data.vision_language`` section (``seed: run``: the generator
+    draws a new synthetic set per run seed, so intervals over seeds include the generator's variance)."""
     fields = vl.model_dump(exclude={"backbone", "generator"})
+    if fields["seed"] == "run":
+        fields["seed"] = run_seed
     return VisionLanguageSpec(
         backbone=vl.backbone.name,
         backbone_options=dict(vl.backbone.options),
@@ -202,7 +205,7 @@ def build_simulation(
     algorithm, models = build_algorithm(cfg, data)
     e = cfg.engine
     rt = ClientRuntime(
-        algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, models.device,
+        algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, cfg.rounds, models.device,
         e.on_client_error, e.precision,
     )  # fmt: skip
     scorer = evaluator(cfg, algorithm, models, data)

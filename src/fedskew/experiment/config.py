@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
@@ -55,10 +55,24 @@ class VisionLanguageConfig(Strict):
     shots: int = Field(16, ge=1, description="K: synthetic images per class in the cache")
     pool: int | None = Field(None, ge=1, description="images drawn per class; the cache keeps the first K")
     template: str = Field("a photo of a {}.", description="class prompt template of the text encoder")
+    templates: str | list[str] | None = Field(
+        None, description="instead of template: ensemble | coop:<dataset> | a list (feature mean)"
+    )
+    augment_views: int = Field(0, ge=0, description="V > 0: cache keys = mean of V augmented views")
     text_head: str = Field("auto", description="auto | encoder | prototypes (generated-prototype head)")
-    seed: int = Field(0, description="generator seed (one synthetic set per dataset, not per run seed)")
+    seed: int | Literal["run"] = Field(
+        0, description="generator seed: one synthetic set per dataset, or 'run': the run's seed (variance)"
+    )
     image_size: int | None = Field(None, ge=8, description="generator resolution; default the backbone's")
     cache: bool = Field(True, description="keep features on disk under $FEDSKEW_CACHE (never the data root)")
+
+    @field_validator("templates")
+    @classmethod
+    def _one_prompt_source(cls, value: Any, info: ValidationInfo) -> Any:
+        from fedskew.models.clip_templates import DEFAULT_TEMPLATE, resolve_templates
+
+        resolve_templates(info.data.get("template", DEFAULT_TEMPLATE), value)
+        return value
 
 
 class DataConfig(Strict):

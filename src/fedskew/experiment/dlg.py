@@ -174,31 +174,40 @@ def dlg_attack(
     return DLGResult(steps, snaps, quality, dummy_label.detach().argmax(-1), distance)
 
 
-def save_dlg_grid(
-    path: str | os.PathLike, originals: Tensor, results: Mapping[str, DLGResult], *, image: int = 0
-) -> Path:
-    """A PNG grid: one row per attack (``results`` key), columns = the original and each snapshot of image
-    ``image`` of the batch, titled with the iteration and its PSNR. Returns the written path."""
+def save_image_grid(path: str | os.PathLike, rows: Sequence[Sequence[tuple[Tensor, str]]]) -> Path:
+    """A PNG grid of ``[C, H, W]`` images in [0, 1] (grey when C = 1), one figure row per ``rows`` entry,
+    each image with its title. Returns the written path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cols = 1 + max(len(r.iterations) for r in results.values())
-    fig = Figure(figsize=(1.3 * cols, 1.5 * len(results)), dpi=100, layout="constrained")
+    cols = max(len(r) for r in rows)
+    fig = Figure(figsize=(1.3 * cols, 1.5 * len(rows)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(results), cols, squeeze=False)
-
-    def show(ax: object, x: Tensor, title: str) -> None:
-        pic = x.permute(1, 2, 0).squeeze(-1).numpy()
-        ax.imshow(pic, cmap="gray" if pic.ndim == 2 else None, vmin=0, vmax=1)  # type: ignore[attr-defined]
-        ax.set_title(title, fontsize=7)  # type: ignore[attr-defined]
-
-    for row, (name, res) in zip(axes, results.items(), strict=True):
-        show(row[0], originals[image].float().clamp(0, 1), f"{name}\noriginal")
-        for ax, it, snap, q in zip(row[1:], res.iterations, res.snapshots, res.psnr, strict=False):
-            show(ax, snap[image], f"it {it}\n{float(q[image]):.1f} dB")
+    axes = fig.subplots(len(rows), cols, squeeze=False)
+    for row, cells in zip(axes, rows, strict=True):
+        for ax, (x, title) in zip(row, cells, strict=False):
+            pic = x.detach().float().clamp(0, 1).permute(1, 2, 0).squeeze(-1).numpy()
+            ax.imshow(pic, cmap="gray" if pic.ndim == 2 else None, vmin=0, vmax=1)
+            ax.set_title(title, fontsize=7)
         for ax in row:
             ax.axis("off")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
+
+
+def save_dlg_grid(
+    path: str | os.PathLike, originals: Tensor, results: Mapping[str, DLGResult], *, image: int = 0
+) -> Path:
+    """A PNG grid: one row per attack (``results`` key), columns = the original and each snapshot of image
+    ``image`` of the batch, titled with the iteration and its PSNR. Returns the written path."""
+    rows = [
+        [(originals[image], f"{name}\noriginal")]
+        + [
+            (snap[image], f"it {it}\n{float(q[image]):.1f} dB")
+            for it, snap, q in zip(res.iterations, res.snapshots, res.psnr, strict=False)
+        ]
+        for name, res in results.items()
+    ]
+    return save_image_grid(path, rows)

@@ -127,7 +127,7 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
     device = models.device
     owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
     rt = ClientRuntime(
-        algorithm, client_data(data, device, owned), models, cfg.client, cfg.seed, device,
+        algorithm, client_data(data, device, owned), models, cfg.client, cfg.seed, cfg.rounds, device,
         cfg.engine.on_client_error, cfg.engine.precision,
     )  # fmt: skip
     ds = data.dataset

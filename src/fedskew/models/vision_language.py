@@ -9,9 +9,14 @@ only read) and attaches, in ``dataset.meta["assets"]``, the tensors a vision-lan
 * ``cache_x`` ``[N·K, C]``: normalised features of the generator's K images per class, class-major (the
   cache keys W1ᵀ of Eq. 3), and ``cache_y`` ``[N·K]`` their labels (W2 of Eq. 4 as indices);
 * ``text`` ``[N, C]``: normalised class embeddings W_text (Eq. 5). From the backbone's text encoder on
-  ``template.format(class name)`` when it has one, else from the **generated-prototype text head**: the
-  normalised mean feature of a second, independent draw of the generator's images of each class. That
-  head stands in for CLIP's text encoder with an image-only backbone; it is not a text encoder.
+  ``template.format(class name)`` when it has one (or on a named set of ``templates``, ensembled:
+  :mod:`fedskew.models.clip_templates`), else from the **generated-prototype text head**: the normalised
+  mean feature of a second, independent draw of the generator's images of each class. That head stands in
+  for CLIP's text encoder with an image-only backbone; it is not a text encoder.
+
+With ``augment_views: V > 0`` each cache key is the normalised mean of the raw features of V seeded random
+resized crops + flips of its image (Tip-Adapter's augmented cache, :mod:`fedskew.models.clip_augment`);
+V = 0 (default) keeps CacheFL's plain keys.
 
 Only training rows some client holds (train or validation) are encoded; other rows stay zero (few-shot
 protocols use 16 images per class out of 60,000). The partition depends on labels only, so it is the same
@@ -38,6 +43,8 @@ from fedskew.data.generators import generate
 from fedskew.errors import ConfigError
 from fedskew.models.backbones import BACKBONES, Backbone
 from fedskew.models.base import MODELS, FedModel
+from fedskew.models.clip_augment import Augment, augment_view
+from fedskew.models.clip_templates import DEFAULT_TEMPLATE, ensemble_embeddings, resolve_templates
 from fedskew.seeding import derive_seed
 
 log = logging.getLogger("fedskew.models")
@@ -56,16 +63,13 @@ class VisionLanguageSpec:
     generator_options: dict[str, Any]
     shots: int = 16  # K synthetic images per class
     pool: int | None = None  # images drawn per class; the cache takes the first K (nested caches)
-    template: str = "a photo of a {}."
+    template: str = DEFAULT_TEMPLATE
+    templates: str | list[str] | None = None  # a named set (ensemble, coop:<dataset>) or a list; see template
+    augment_views: int = 0  # V: Tip-Adapter's augmented cache keys (0: CacheFL's plain keys)
     text_head: str = "auto"
     seed: int = 0  # the generator's seed: one fixed synthetic set per dataset, whatever the run's seed
     image_size: int | None = None  # generator resolution; default the backbone's input size
     cache: bool = True  # keep features on disk in feature_cache(root) (the cache root, not the data root)
-
-
-def class_prompts(template: str, names: list[str]) -> list[str]:
-    """``template.format(name)`` per class, underscores read as spaces."""
-    return [template.format(n.replace("_", " ")) for n in names]
 
 
 def normalize(x: Tensor) -> Tensor:
@@ -83,26 +87,51 @@ def feature_cache(root: Path) -> Path:
 
 
 def encode_cached(
-    backbone: Backbone, images: Tensor, split: str, rows: Tensor | None, cache_dir: Path | None
+    backbone: Backbone,
+    images: Tensor,
+    split: str,
+    rows: Tensor | None,
+    cache_dir: Path | None,
+    augment: Augment | None = None,
 ) -> Tensor:
-    """``backbone.encode_images`` of ``images``, read from / written to ``cache_dir`` when the backbone has a
-    fingerprint (the key covers the backbone, the split and the image bytes). An unreadable cache file is
+    """``backbone.encode_images`` of ``images`` (with ``augment``: the mean raw features of its views,
+    :func:`encode_views`), read from / written to ``cache_dir`` when the backbone has a fingerprint (the key
+    covers the backbone, the split, the image bytes and the augmentation). An unreadable cache file is
     re-encoded; an unwritable ``cache_dir`` only disables the cache."""
     fp = backbone.fingerprint()
     if cache_dir is None or fp is None or images.shape[0] == 0:
-        return _encode(backbone, images, split, rows)
-    key = json.dumps({"backbone": fp, "split": split, "images": _digest(images)}, sort_keys=True)
+        return _encode(backbone, images, split, rows, augment)
+    key_fields = {"backbone": fp, "split": split, "images": _digest(images)}
+    if augment is not None:
+        key_fields["augment"] = dataclasses.asdict(augment)
+    key = json.dumps(key_fields, sort_keys=True)
     path = cache_dir / f"{fp['name']}-{split}-{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
     hit = load_saved(path)
     if isinstance(hit, Tensor) and hit.dim() == 2 and hit.shape[0] == images.shape[0]:
         return hit
-    feats = _encode(backbone, images, split, rows)
+    feats = _encode(backbone, images, split, rows, augment)
     if save_atomic(path, feats):
         log.info("cached %s features of %d images in %s", split, images.shape[0], path)
     return feats
 
 
-def _encode(backbone: Backbone, images: Tensor, split: str, rows: Tensor | None) -> Tensor:
+def encode_views(
+    backbone: Backbone, images: Tensor, split: str, rows: Tensor | None, augment: Augment
+) -> Tensor:
+    """Mean over ``augment.views`` seeded augmented views of the raw (not normalised) image features
+    (Tip-Adapter's cache keys before their L2 normalisation)."""
+    feats = [  # one whole-batch view at a time
+        _encode(backbone, augment_view(images, augment.size, augment.seed, v), split, rows, None)
+        for v in range(augment.views)
+    ]
+    return torch.stack(feats).mean(0)
+
+
+def _encode(
+    backbone: Backbone, images: Tensor, split: str, rows: Tensor | None, augment: Augment | None
+) -> Tensor:
+    if augment is not None:
+        return encode_views(backbone, images, split, rows, augment)
     with torch.no_grad():
         return backbone.encode_images(images, split, rows).float().cpu()
 
@@ -134,8 +163,9 @@ def text_embeddings(
     if use_encoder:
         if backbone.encode_texts is None:
             raise ConfigError(f"backbone '{spec.backbone}' has no text encoder; use text_head: prototypes")
+        encode, templates = backbone.encode_texts, resolve_templates(spec.template, spec.templates)
         with torch.no_grad():
-            return normalize(backbone.encode_texts(class_prompts(spec.template, names)).cpu())
+            return ensemble_embeddings(lambda prompts: encode(prompts).cpu(), templates, names)
     # the whole pool per class, so that varying K (the cache's share of the pool) leaves W_text fixed
     whole_pool = dataclasses.replace(spec, shots=spec.pool or spec.shots)
     images, labels, rows = synthetic_set(whole_pool, names, size, derive_seed(spec.seed, _PROTO_TAG))
@@ -157,7 +187,8 @@ def vision_language_data(fed: FederatedData, spec: VisionLanguageSpec, root: Pat
     train[rows] = normalize(encode_cached(backbone, ds.x_train[rows], "train", rows, cache_dir))
     test = normalize(encode_cached(backbone, ds.x_test, "test", None, cache_dir))
     syn_images, syn_labels, syn_rows = synthetic_set(spec, names, size, spec.seed)
-    cache_x = normalize(encode_cached(backbone, syn_images, "synthetic", syn_rows, cache_dir))
+    augment = Augment(spec.augment_views, spec.seed, backbone.image_size) if spec.augment_views > 0 else None
+    cache_x = normalize(encode_cached(backbone, syn_images, "synthetic", syn_rows, cache_dir, augment))
     text = text_embeddings(spec, backbone, names, size, cache_dir)
     assets: dict[str, Any] = {"cache_x": cache_x, "cache_y": syn_labels, "text": text}
     if hasattr(backbone, "prompt_encoder"):  # a text tower: prompt learning can run through it

@@ -10,6 +10,7 @@ from fedskew.data.arrays import channel_stats, stratified_split
 from fedskew.data.base import load_dataset
 from fedskew.data.datasets import (  # noqa: F401  (each import registers its datasets)
     cifar,
+    coop,
     digit_domains,
     domainnet,
     emnist,

@@ -19,21 +19,60 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew.errors import ConfigError
 from fedskew.registry import Registry
 
 #: name -> ``factory(root: Path, **options) -> Backbone``
 BACKBONES: Registry[Callable[..., Backbone]] = Registry("backbone")
 
 
-def to_backbone_input(images: Tensor, size: int, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+def squash(x: Tensor, size: int) -> Tensor:
+    """``[B, C, H, W]`` in [0, 1] -> ``[B, C, size, size]``: bicubic resize of both sides with antialiasing
+    (the aspect ratio is not kept), clamped to [0, 1]."""
+    if tuple(x.shape[-2:]) == (size, size):
+        return x
+    return F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False).clamp(
+        0, 1
+    )
+
+
+def shortest_side(x: Tensor, size: int) -> Tensor:
+    """CLIP's preprocessing (Radford et al. 2021; Tip-Adapter's ``Resize(size, BICUBIC)`` +
+    ``CenterCrop(size)``): bicubic resize (antialiased) of the shortest side to ``size``, the long side to
+    ``int(size * long / short)``, then the centred ``size x size`` crop (offsets ``round((side - size) / 2)``,
+    as torchvision's). A square image is resized as by :func:`squash`."""
+    h, w = int(x.shape[-2]), int(x.shape[-1])
+    if h == w:
+        return squash(x, size)
+    short, long = min(h, w), max(h, w)
+    new = (size, int(size * long / short)) if h < w else (int(size * long / short), size)
+    if new != (h, w):
+        x = F.interpolate(x, size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    top, left = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)
+    return x[..., top : top + size, left : left + size]
+
+
+#: ``resize`` option of the backbones -> how images reach the input size
+RESIZES: dict[str, Callable[[Tensor, int], Tensor]] = {"squash": squash, "shortest": shortest_side}
+
+
+def check_resize(resize: str, backbone: str) -> str:
+    """``resize`` when it names a :data:`RESIZES` entry, else a one-line ``ConfigError``."""
+    if resize not in RESIZES:
+        raise ConfigError(f"backbone '{backbone}': resize {resize!r}; allowed: {', '.join(RESIZES)}")
+    return resize
+
+
+def to_backbone_input(
+    images: Tensor, size: int, mean: Sequence[float], std: Sequence[float], resize: str = "squash"
+) -> Tensor:
     """uint8 (or [0, 1] float) ``[B, C, H, W]`` -> float32 ``[B, 3, size, size]``: grey images repeated to
-    three channels, bicubic resize with antialiasing, then ``(x - mean) / std`` per channel."""
+    three channels, resized by ``RESIZES[resize]`` (default ``squash``: both sides, bicubic with
+    antialiasing; ``shortest``: CLIP's shortest-side resize + centre crop), then ``(x - mean) / std``."""
     x = images.float().div(255.0) if images.dtype == torch.uint8 else images.float()
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
-    if tuple(x.shape[-2:]) != (size, size):
-        x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
-        x = x.clamp(0.0, 1.0)
+    x = RESIZES[resize](x, size)
     m = torch.tensor(mean, dtype=x.dtype).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=x.dtype).view(1, -1, 1, 1)
     return (x - m) / s

@@ -4,8 +4,13 @@
 ``model_config`` gives its dimensions (``{embed_dim, vision_cfg, text_cfg}``, e.g. a tiny CLIP for tests);
 ``checkpoint`` is a state-dict file (``.pt``/``.bin``/``.pth``, loaded with ``weights_only=True``; an
 open_clip ``open_clip_pytorch_model.bin`` works as is, OpenAI's TorchScript archives must be converted to a
-state dict first). Nothing is ever downloaded. Images are resized to the vision tower's size (bicubic) and
-normalised with CLIP's mean/std; prompts go through open_clip's bundled BPE tokenizer.
+state dict first). Nothing is ever downloaded. The weights' activation (GELU or QuickGELU) is checked against
+the architecture's (``pretrained``, ``quick_gelu``, ``activation_mismatch``: :mod:`.clip_activation`).
+
+Images get CLIP's preprocessing by default (``resize: shortest``: the shortest side resized to the vision
+tower's size, bicubic, then a centred square crop; :func:`~fedskew.models.backbones.shortest_side`) and
+CLIP's mean/std; ``resize: squash`` resizes both sides instead (the aspect ratio is lost). Prompts go
+through open_clip's bundled BPE tokenizer.
 
 :class:`PromptTextEncoder` exposes the text tower for prompt learning (CoOp / PromptFL): the class prompts
 ``"X X … X <class name>."`` are embedded once, and ``forward(ctx)`` replaces the ``n_ctx`` placeholder
@@ -16,13 +21,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from fedskew.errors import ConfigError
-from fedskew.models.backbones import BACKBONES, Backbone, file_fingerprint, resolve_path, to_backbone_input
+from fedskew.models.backbones import (
+    BACKBONES,
+    Backbone,
+    check_resize,
+    file_fingerprint,
+    resolve_path,
+    to_backbone_input,
+)
+from fedskew.models.backbones.clip_activation import (
+    architecture_quick_gelu,
+    build_with_activation,
+    built_activation,
+    declared_quick_gelu,
+    needed_quick_gelu,
+)
 from fedskew.models.base import embed_in_chunks
 from fedskew.models.clip_compat import import_open_clip
 
@@ -38,19 +57,30 @@ TINY_CLIP = {
 CLIPModel = Any
 
 
-def build_clip(model: str | None, model_config: dict[str, Any] | None) -> nn.Module:
-    """The open_clip architecture with random weights (no download)."""
-    open_clip = import_open_clip()
+def check_architecture(model: str | None, model_config: dict[str, Any] | None) -> None:
+    """One of ``model`` (an open_clip architecture name) or ``model_config``, else a one-line error."""
     if (model is None) == (model_config is None):
         raise ConfigError("backbone 'open_clip': give exactly one of options.model or options.model_config")
-    if model_config is not None:
-        return open_clip.model.CLIP(**model_config)
-    if model not in open_clip.list_models():
-        raise ConfigError(f"backbone 'open_clip': unknown architecture '{model}'; e.g. RN50, ViT-B-32")
-    return open_clip.create_model(model, pretrained=None)
+    if model is not None and model not in import_open_clip().list_models():
+        raise ConfigError(
+            f"backbone 'open_clip': unknown architecture '{model}'; e.g. RN50-quickgelu, RN50, ViT-B-32"
+        )
 
 
-def load_checkpoint(net: nn.Module, path: Path) -> None:
+def build_clip(
+    model: str | None, model_config: dict[str, Any] | None, quick_gelu: bool | None = None
+) -> nn.Module:
+    """The open_clip architecture with random weights (no download), with the given activation (``None``:
+    the architecture's own)."""
+    check_architecture(model, model_config)
+    if quick_gelu is None:
+        quick_gelu = architecture_quick_gelu(model, model_config)
+    return build_with_activation(model, model_config, quick_gelu)
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], bool | None]:
+    """The state dict of a local file (``module.`` prefixes dropped) and its ``quick_gelu`` entry when the
+    file is a dict ``{"state_dict": ..., "quick_gelu": bool}`` (else ``None``)."""
     if not path.is_file():
         raise ConfigError(f"backbone 'open_clip': checkpoint not found: {path} (a local state-dict file)")
     try:
@@ -58,8 +88,16 @@ def load_checkpoint(net: nn.Module, path: Path) -> None:
     except Exception as err:  # TorchScript archives and pickles with code are refused
         reason = str(err).splitlines()[0]
         raise ConfigError(f"backbone 'open_clip': {path} is not a plain state dict ({reason})") from None
-    state = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"backbone 'open_clip': {path} holds a {type(raw).__name__}, not a state dict")
+    stored = raw.get("quick_gelu") if "state_dict" in raw else None
+    if stored is not None and not isinstance(stored, bool):
+        raise ConfigError(f"backbone 'open_clip': {path}: quick_gelu must be true or false, got {stored!r}")
+    state = raw.get("state_dict", raw)
+    return {k.removeprefix("module."): v for k, v in state.items()}, stored
+
+
+def load_state(net: nn.Module, state: dict[str, Tensor], path: Path) -> None:
     try:
         net.load_state_dict(state)
     except RuntimeError as err:
@@ -71,9 +109,12 @@ class OpenCLIPBackbone(Backbone):
 
     seed: int | None = None
 
-    def __init__(self, net: CLIPModel, checkpoint: Path | None, name: str, batch_size: int) -> None:
+    def __init__(
+        self, net: CLIPModel, checkpoint: Path | None, name: str, batch_size: int, resize: str = "shortest"
+    ) -> None:
         self.net = net.requires_grad_(False).eval()
         self.checkpoint, self.name, self.batch_size = checkpoint, name, batch_size
+        self.resize, self.activation = check_resize(resize, "open_clip"), built_activation(net)
         self.embed_dim = int(net.text_projection.shape[1])
         size = net.visual.image_size
         self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
@@ -82,7 +123,9 @@ class OpenCLIPBackbone(Backbone):
 
     def encode_images(self, images: Tensor, split: str, rows: Tensor | None = None) -> Tensor:
         def run(b: Tensor) -> Tensor:
-            return self.net.encode_image(to_backbone_input(b, self.image_size, CLIP_MEAN, CLIP_STD))
+            return self.net.encode_image(
+                to_backbone_input(b, self.image_size, CLIP_MEAN, CLIP_STD, self.resize)
+            )
 
         return embed_in_chunks(run, images, self.batch_size)
 
@@ -95,7 +138,13 @@ class OpenCLIPBackbone(Backbone):
 
     def fingerprint(self) -> dict:
         source = {"seed": self.seed} if self.checkpoint is None else file_fingerprint(self.checkpoint)
-        return {"name": "open_clip", "arch": self.name, "weights": source}
+        return {
+            "name": "open_clip",
+            "arch": self.name,
+            "weights": source,
+            "activation": self.activation,
+            "resize": self.resize,
+        }
 
 
 class PromptTextEncoder(nn.Module):
@@ -136,13 +185,19 @@ class PromptTextEncoder(nn.Module):
 
 @BACKBONES.register("random_clip")
 def random_clip(
-    root: Path, *, model_config: dict[str, Any] | None = None, seed: int = 0, batch_size: int = 64
+    root: Path,
+    *,
+    model_config: dict[str, Any] | None = None,
+    seed: int = 0,
+    batch_size: int = 64,
+    resize: Literal["shortest", "squash"] = "shortest",
 ) -> OpenCLIPBackbone:
-    """A tiny open_clip CLIP with seeded random weights (tests and smoke runs; no checkpoint, no download)."""
+    """A tiny open_clip CLIP with seeded random weights (tests and smoke runs; no checkpoint, no download).
+    ``model_config`` may set ``quick_gelu``; ``resize`` as for ``open_clip``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = build_clip(None, model_config or TINY_CLIP)
-    backbone = OpenCLIPBackbone(net, None, "random", batch_size)
+    backbone = OpenCLIPBackbone(net, None, "random", batch_size, resize)
     backbone.seed = seed
     return backbone
 
@@ -154,10 +209,24 @@ def open_clip_backbone(
     checkpoint: str,
     model: str | None = None,
     model_config: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+    quick_gelu: bool | None = None,
+    activation_mismatch: Literal["refuse", "correct"] = "refuse",
+    resize: Literal["shortest", "squash"] = "shortest",
     batch_size: int = 64,
 ) -> OpenCLIPBackbone:
-    """An open_clip CLIP from a local checkpoint (architecture by name or config; never downloads)."""
-    net = build_clip(model, model_config)
+    """An open_clip CLIP from a local checkpoint (architecture by name or config; never downloads).
+
+    ``pretrained`` (an open_clip tag of ``model``, e.g. ``openai``) and/or ``quick_gelu`` declare the
+    weights' activation, as may the checkpoint (:mod:`.clip_activation`); ``activation_mismatch``: ``refuse``
+    (default) or ``correct`` (build the architecture with the weights' activation)."""
     path = resolve_path(root, checkpoint)
-    load_checkpoint(net, path)
-    return OpenCLIPBackbone(net, path, model or "custom", batch_size)
+    check_resize(resize, "open_clip")
+    check_architecture(model, model_config)
+    state, stored = read_checkpoint(path)
+    declared = declared_quick_gelu(model, pretrained, quick_gelu, stored)
+    net = build_clip(
+        model, model_config, needed_quick_gelu(model, model_config, declared, activation_mismatch)
+    )
+    load_state(net, state, path)
+    return OpenCLIPBackbone(net, path, model or "custom", batch_size, resize)
