@@ -13,7 +13,7 @@ from fedskew.models import MODELS, count_parameters
 
 EXPECTED_NAMES = {
     "mlp_mpfedcl", "cnn_fedproto", "cnn_mnist", "cnn_cifar", "lenet5", "resnet8", "resnet18", "vgg11",
-    "identity", "cnn_fedbn",
+    "identity", "cnn_fedbn", "resnet50",
 }  # fmt: skip
 
 # (name, input shape, classes, options, parameter count, source of the number)
@@ -27,6 +27,7 @@ COUNTS = [
     ("cnn_cifar", (3, 32, 32), 10, {}, 586_250, "FedEnt CIFAR10-CNN, 32/64/64 channels"),
     ("lenet5", (1, 28, 28), 10, {}, 61_706, "LeNet-5: 156 + 2,416 + 48,120 + 10,164 + 850"),
     ("lenet5", (1, 8, 8), 10, {}, 61_706, "LeNet-5 padded to its 32x32 frame: same net on digits"),
+    ("resnet50", (3, 224, 224), 1000, {}, 25_557_032, "He et al. 2016 Table 1 = torchvision's ResNet-50"),
     ("resnet8", (3, 32, 32), 10, {}, 1_227_594, "FedSKC's public code ResNet_cifar(8, scaling=4)"),
     ("resnet18", (3, 32, 32), 10, {"stem": "imagenet"}, 11_181_642, "FedProto ResNet18, ImageNet stem"),
     ("resnet18", (3, 32, 32), 10, {}, 11_181_642 - 64 * 3 * (49 - 9), "CIFAR stem: 3x3 instead of 7x7"),
