@@ -1,4 +1,5 @@
-"""``fedskew`` command line: run, sweep, list, report, demo, data show, features, cachefl-search, cachefl-posthoc.
+"""``fedskew`` command line: run, sweep, list, report, demo, data show, features, cachefl-search,
+cachefl-posthoc.
 
 Bad input exits with code 2 and one line naming the problem and the allowed values.
 """
