@@ -18,16 +18,13 @@ from fedskew.data.federated import build_federated
 from fedskew.data.images import cached_images
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
+from fedskew.models.backbones.open_clip_backbone import TINY_CLIP
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("open_clip") is None, reason="needs the [clip] extra (open-clip-torch)"
 )
 
-TINY = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 24, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
+TINY = TINY_CLIP
 PROMPTS = ["a photo of a cat.", "a photo of a dog."]
 
 

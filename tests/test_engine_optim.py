@@ -8,7 +8,6 @@ from typing import get_args
 
 import pytest
 import torch
-from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvg
 from fedskew.engine.optimizers import OPTIMIZERS, AdamW, local_optimizer, stacked_optimizer
@@ -17,32 +16,15 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.settings import ClientSection
 from tests.test_engine_modes import first_round_outcomes, worker_config
-
-
-def _losses(model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
-    out = model[0](x)
-    # every third step the second layer takes no part: its parameters get no gradient (and do not step)
-    return out.square().mean() if step % 3 == 2 else model[1](out).logsumexp(1).mean()
-
-
-def _train(opt_factory, steps: int = 8) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
-    xs = torch.randn(steps, 8, 5)
-    opt = opt_factory(list(model.parameters()))
-    for step in range(steps):
-        opt.zero_grad()
-        _losses(model, xs[step], step).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+from tests.test_engine_sgd import train_steps
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adamw_matches_torch_optim_adamw_step_for_step(weight_decay):
     kw = {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": weight_decay}
     for steps in (1, 3, 8):  # before and after the second layer's skipped steps
-        ours = _train(lambda ps: AdamW(ps, **kw), steps)
-        ref = _train(lambda ps: torch.optim.AdamW(ps, **kw), steps)
+        ours = train_steps(lambda ps: AdamW(ps, **kw), steps)
+        ref = train_steps(lambda ps: torch.optim.AdamW(ps, **kw), steps)
         for a, b in zip(ours, ref, strict=True):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), steps
 
@@ -59,8 +41,8 @@ def test_adamw_first_step_by_hand():
 def test_default_client_section_trains_with_sgd_bit_for_bit():
     cfg = ClientSection(momentum=0.5, weight_decay=1e-3)
     assert cfg.optimizer == "sgd"
-    ours = _train(lambda ps: local_optimizer(cfg, ps, 0.1, cfg.momentum))
-    ref = _train(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, weight_decay=1e-3))
+    ours = train_steps(lambda ps: local_optimizer(cfg, ps, 0.1, cfg.momentum), 8)
+    ref = train_steps(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, weight_decay=1e-3), 8)
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a, b)
 

@@ -15,7 +15,7 @@ def _losses(model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
     return out.square().mean() if step % 3 == 2 else model[1](out).logsumexp(1).mean()
 
 
-def _train(opt_factory, steps: int = 7) -> list[torch.Tensor]:
+def train_steps(opt_factory, steps: int = 7) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
     xs = torch.randn(steps, 8, 5)
@@ -30,8 +30,8 @@ def _train(opt_factory, steps: int = 7) -> list[torch.Tensor]:
 @pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-3])
 def test_sgd_matches_torch_optim_sgd_bitwise(momentum, weight_decay):
-    ours = _train(lambda ps: SGD(ps, lr=0.1, momentum=momentum, weight_decay=weight_decay))
-    ref = _train(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum, weight_decay=weight_decay))
+    ours = train_steps(lambda ps: SGD(ps, lr=0.1, momentum=momentum, weight_decay=weight_decay))
+    ref = train_steps(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum, weight_decay=weight_decay))
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a, b)
 

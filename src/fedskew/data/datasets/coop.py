@@ -166,8 +166,11 @@ def _drop_val(listing: Listing, val_split: ValSplit) -> Listing:
     return listing if val_split == "coop" else listing.take(np.flatnonzero(listing.part != VAL))
 
 
-def split_loader(name: str, layout: SplitLayout) -> Callable[..., Dataset]:
-    """The registered loader of one :data:`SPLIT_LAYOUTS` dataset."""
+def coop_loader(
+    name: str, folder: str, listing_of: Callable[[Path], Listing], doc: str
+) -> Callable[..., Dataset]:
+    """The registered loader of a CoOp dataset with a validation split: ``listing_of(<root>/<folder>)`` lists
+    its images, decoded by :func:`coop_dataset` with the options every such dataset shares."""
 
     def load(
         root: Path,
@@ -181,13 +184,11 @@ def split_loader(name: str, layout: SplitLayout) -> Callable[..., Dataset]:
         val_per_class: int | None = None,
         subset_seed: int = 0,
     ) -> Dataset:
-        base = Path(root) / layout.folder
-        images = base / layout.images if layout.images else base
-        listing = split_file_listing(images, base / layout.split, name, layout.describe(), val=True)
+        base = Path(root) / folder
         return coop_dataset(
             name,
             base,
-            _drop_val(listing, val_split),
+            _drop_val(listing_of(base), val_split),
             size=size,
             mode=mode,
             cache=cache,
@@ -198,14 +199,25 @@ def split_loader(name: str, layout: SplitLayout) -> Callable[..., Dataset]:
         )
 
     load.__name__ = load.__qualname__ = name
+    load.__doc__ = doc
+    return load
+
+
+def split_loader(name: str, layout: SplitLayout) -> Callable[..., Dataset]:
+    """The registered loader of one :data:`SPLIT_LAYOUTS` dataset."""
+
+    def listing_of(base: Path) -> Listing:
+        images = base / layout.images if layout.images else base
+        return split_file_listing(images, base / layout.split, name, layout.describe(), val=True)
+
     images = f"{layout.folder}/{layout.images}" if layout.images else layout.folder
-    load.__doc__ = (
+    doc = (
         f"{layout.title} with CoOp's train / val / test split: <root>/{images}/ + {layout.split}.\n\n"
         f"Layout: {layout.describe()}. Options: size, mode, resize, val_split (coop: the val split is the "
         "validation pool; none), cache, shots_per_class / val_per_class / subset_seed (decode only one "
         "few-shot draw; module doc)."
     )
-    return load
+    return coop_loader(name, layout.folder, listing_of, doc)
 
 
 for _name, _layout in SPLIT_LAYOUTS.items():
@@ -234,37 +246,16 @@ def aircraft_listing(base: Path) -> Listing:
     return Listing(paths, np.asarray(labels, dtype=np.int64), np.asarray(part, dtype=np.int64), classes)
 
 
-@DATASETS.register("fgvc_aircraft")
-def fgvc_aircraft(
-    root: Path,
-    *,
-    size: int | None = 224,
-    mode: str | None = "RGB",
-    val_split: ValSplit = "coop",
-    cache: bool = True,
-    resize: str = "shortest",
-    shots_per_class: int | None = None,
-    val_per_class: int | None = None,
-    subset_seed: int = 0,
-) -> Dataset:
-    """FGVCAircraft (100 variants) with its official train / val / test lists: <data root>/fgvc_aircraft/.
-
-    Options as the other CoOp datasets (module doc); the layout is ``AIRCRAFT_LAYOUT``.
-    """
-    base = Path(root) / "fgvc_aircraft"
-    listing = _drop_val(aircraft_listing(base), val_split)
-    return coop_dataset(
+DATASETS.register("fgvc_aircraft")(
+    coop_loader(
         "fgvc_aircraft",
-        base,
-        listing,
-        size=size,
-        mode=mode,
-        cache=cache,
-        resize=resize,
-        shots_per_class=shots_per_class,
-        val_per_class=val_per_class,
-        subset_seed=subset_seed,
+        "fgvc_aircraft",
+        aircraft_listing,
+        "FGVCAircraft (100 variants) with its official train / val / test lists: "
+        "<data root>/fgvc_aircraft/.\n\n"
+        "Options as the other CoOp datasets (module doc); the layout is ``AIRCRAFT_LAYOUT``.",
     )
+)
 
 
 def imagenet_listing(base: Path) -> Listing:
