@@ -12,16 +12,20 @@ Workloads (MNIST under ``$FEDSKEW_DATA``):
   clients (1,000 → 100,000 at 100 per round), plotted log-log to ``docs/img/engine_w4_participants.png``
   and ``docs/img/engine_w4_total.png``.
 
-Per engine mode (``sequential``, ``workers`` = one process per core, ``vectorized``, ``vectorized+workers``,
-``auto``) each run is a fresh subprocess, so ``peak_rss_bytes`` is that mode's own peak (parent + largest
-worker). Reported:
-``seconds_per_round`` (evaluation off, median of the timed rounds after a warm-up round),
-``seconds_per_round_eval`` (the engine's default evaluation on: the global 10k test set every round),
-``samples_per_second``, ``ceiling_fraction`` (training GFLOP/s against the faster of the ``mm`` and 1x1-conv
-GEMM ceilings, measured in the same process) and ``flower_seconds_per_round`` (Flower, evaluation off, and
-``flower_seconds_per_round_eval`` with its default federated evaluation on every sampled client), and the
-same for Apple's ``pfl`` (``pfl_peer.py``: its FedAvg over a ``SimulatedBackend``, one worker process per
-CPU; evaluation on = its central evaluation of the test set).
+Every side (each engine mode: ``sequential``, ``workers`` = one process per core, ``vectorized``,
+``vectorized+workers``, ``auto``; each peer) runs ``--repeats`` times (default 5) in fresh processes,
+interleaved (``speed_stats.py``: every side once per repeat, the order reversed on odd repeats), so
+``peak_rss_bytes`` is that run's own peak (parent + largest worker). Each run reports ``seconds_per_round``
+(evaluation off, median of the timed rounds after a warm-up round), ``seconds_per_round_eval`` (the
+engine's default evaluation on: the global 10k test set every round), ``samples_per_second`` and
+``ceiling_fraction`` (training GFLOP/s against the faster of the ``mm`` and 1x1-conv GEMM ceilings, measured
+in the same process); Flower's runs report ``flower_seconds_per_round`` (evaluation off) and
+``flower_seconds_per_round_eval`` (its default federated evaluation on every sampled client), and Apple's
+``pfl`` the same (``pfl_peer.py``: its FedAvg over a ``SimulatedBackend``, one worker process per CPU;
+evaluation on = its central evaluation of the test set). The table gives each side's median with min–max
+over the repeats, and each speed-up (peer / fedskew, of ``auto`` and of the fastest mode) as the median of
+the repeats' paired ratios with a 95% bootstrap interval and the range; the JSON keeps every run and the
+machine (CPU flags, torch's kernel level, threads).
 
     python benchmarks/engine_speed.py                 # all workloads, 3 timed rounds
     python benchmarks/engine_speed.py --quick         # 1 timed round, 10% of each client's data (W1, W2)
@@ -50,13 +54,16 @@ from typing import Any
 
 import torch
 
+from fedskew.engine.sampling import sampling_schedule
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_data, build_simulation
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from engine_plots import W4_PARTICIPATING, W4_TOTAL, plot_w4_scaling  # noqa: E402
 from round_speed import gemm_ceilings, shrink, train_flops_per_sample  # noqa: E402
+from speed_stats import cpu_info, fmt, fmt_ratio, interleaved, paired_ratio, spread  # noqa: E402
 
 MODES = ["sequential", "workers", "vectorized", "vectorized+workers", "auto"]
 
@@ -217,6 +224,8 @@ def write_bundle(
         "momentum": cfg.client.momentum,
         "fraction": cfg.client.fraction,
         "num_clients": n,
+        # fedskew's pre-drawn sampling stream: pfl's peer trains the same clients each round
+        "schedule": sampling_schedule(n, cfg.client.fraction, cfg.rounds, cfg.seed).tolist(),
         "mean": torch.tensor(ds.mean).view(-1, 1, 1),
         "std": torch.tensor(ds.std).view(-1, 1, 1),
         "device": device,
@@ -249,8 +258,6 @@ def _pfl(path: Path, rounds: int, evaluate: bool, bundle: dict, device: str) -> 
 
 
 PEERS = {"flower": _flower, "pfl": _pfl}
-W4_PARTICIPATING = (10, 30, 100, 300, 1000)  # of 10,000 clients
-W4_TOTAL = (1000, 3000, 10_000, 30_000, 100_000)  # at 100 per round
 
 
 def measure_peer(peer: str, workload: str, rounds: int, quick: bool, device: str) -> dict[str, float]:
@@ -276,56 +283,11 @@ def scaling_runs(workload: str, extra: list[str]) -> list[dict]:
     return [run_subprocess(["--one", workload, "auto", *a, *extra]) for a in args]
 
 
-def plot_w4_scaling(scaling: list[dict], out_dir: Path) -> list[Path]:
-    """Two log-log plots: seconds per round against participating clients (of 10,000) and against total
-    clients (100 per round), each with the linear / flat reference line through the 100-of-10,000 point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ref = next(s for s in scaling if s["participating"] == 100 and s["total_clients"] == 10_000)
-    panels = [
-        ("participants", "participating clients per round (of 10,000)", "total_clients", 10_000),
-        ("total", "total clients (100 per round)", "participating", 100),
-    ]
-    paths = []
-    for name, xlabel, fixed_key, fixed in panels:
-        key = "participating" if name == "participants" else "total_clients"
-        pts = sorted(
-            (s[key], s["seconds_per_round"], s["samples_per_second"] * s["seconds_per_round"])
-            for s in scaling
-            if s[fixed_key] == fixed
-        )
-        xs, ys, _ = zip(*pts, strict=True)
-        fig, ax = plt.subplots(figsize=(4.5, 3.4))
-        ax.loglog(xs, ys, "o-", label=f"fedskew ({scaling[0]['resolved']})")
-        for x, y, n in pts:  # the round's work: with a fixed dataset, more clients means smaller ones
-            ax.annotate(f"{n:,.0f}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=6)
-        slope = 1.0 if name == "participants" else 0.0
-        ax.loglog(
-            xs,
-            [ref["seconds_per_round"] * (x / ref[key]) ** slope for x in xs],
-            "k--",
-            lw=0.8,
-            label="linear" if slope else "flat",
-        )
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("seconds per round")
-        ax.set_title("W4: FedAvg, MLP, MNIST Dir(0.1); labels: samples per round", fontsize=8)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"engine_w4_{name}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 timed round; 10%% of each client's data (W1, W2)")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per mode")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per run (default 3, quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="fresh runs per side (default 5, quick 1)")
     ap.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4"])
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower side")
@@ -343,6 +305,7 @@ def main() -> None:
     ap.add_argument("--total", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
     if args.replot:
         saved = json.loads((RESULTS / "engine_w4_scaling.json").read_text())["scaling"]
         for path in plot_w4_scaling(saved, HERE.parent / "docs" / "img"):
@@ -361,48 +324,83 @@ def main() -> None:
     extra += ["--rounds", str(rounds), "--device", args.device]
     peers = [p for p in PEERS if not getattr(args, f"no_{p}")]
     for workload in args.workloads:
-        rows = [run_subprocess(["--one", workload, mode, *extra]) for mode in args.modes]
-        measured: dict[str, Any] = {}
-        for peer in peers:
+        sides = [("mode", m) for m in args.modes] + [("peer", p) for p in peers]
+        runs: dict[tuple[str, str], dict[int, dict]] = {side: {} for side in sides}
+        for rep, (kind, name) in interleaved(sides, repeats):
+            argv = ["--one", workload, name] if kind == "mode" else ["--peer", name, workload]
             try:
-                measured.update(run_subprocess(["--peer", peer, workload, *extra]))
+                runs[(kind, name)][rep] = run_subprocess([*argv, *extra])
             except RuntimeError as err:
-                print(f"{workload}: {peer} side failed ({str(err).splitlines()[0]})")
+                if kind == "mode":
+                    raise
+                print(f"{workload}: {name} side failed ({str(err).splitlines()[0]})")
         scaling = (
             scaling_runs(workload, extra) if workload == "W3" or (workload == "W4" and args.scaling) else []
         )
-        report(workload, rows, measured, scaling, args.quick, args.device)
+        report(workload, runs, scaling, args.quick, args.device, repeats)
         if workload == "W4" and scaling:
             for path in plot_w4_scaling(scaling, HERE.parent / "docs" / "img"):
                 print(f"wrote {path}")
 
 
+def summarize_runs(runs: dict[tuple[str, str], dict[int, dict]]) -> tuple[dict, dict, dict]:
+    """Per mode and per peer: every run, and the median [min–max] of seconds per round with evaluation off
+    and on; per (peer, mode): the paired ratios of the repeats both completed (``auto`` and the fastest mode
+    by median)."""
+    modes, peers = {}, {}
+    for (kind, name), by_rep in runs.items():
+        if not by_rep:
+            continue
+        if kind == "mode":
+            off = [r["seconds_per_round"] for r in by_rep.values()]
+            on = [r["seconds_per_round_eval"] for r in by_rep.values()]
+            modes[name] = {"runs": by_rep, "off": spread(off), "on": spread(on)}
+        else:
+            off = [r[f"{name}_seconds_per_round"] for r in by_rep.values()]
+            on = [r[f"{name}_seconds_per_round_eval"] for r in by_rep.values()]
+            peers[name] = {"runs": by_rep, "off": spread(off), "on": spread(on)}
+    ratios = {}
+    if modes:
+        fastest = min(modes, key=lambda m: modes[m]["off"]["median"])
+        for peer in peers:
+            for mode in dict.fromkeys(m for m in ("auto", fastest) if m in modes):
+                reps = sorted(set(runs[("peer", peer)]) & set(runs[("mode", mode)]))
+                key = {"off": "seconds_per_round", "on": "seconds_per_round_eval"}
+                ratios[f"{peer}/{mode}"] = {
+                    when: paired_ratio(
+                        [runs[("peer", peer)][r][f"{peer}_{k}"] for r in reps],
+                        [runs[("mode", mode)][r][k] for r in reps],
+                    )
+                    for when, k in key.items()
+                }
+    return modes, peers, ratios
+
+
 def report(
-    workload: str, rows: list[dict], peers: dict, scaling: list[dict], quick: bool, device: str = "cpu"
+    workload: str,
+    runs: dict[tuple[str, str], dict[int, dict]],
+    scaling: list[dict],
+    quick: bool,
+    device: str = "cpu",
+    repeats: int = 1,
 ) -> None:
-    head = (
-        f"{'mode':<20}{'ran as':<20}{'s/round':>9}{'eval on':>9}{'samples/s':>11}{'ceil':>7}{'peak RSS':>10}"
-    )
-    print(f"\n{workload}" + (" (quick)" if quick else "") + f" on {device}")
+    modes, peers, ratios = summarize_runs(runs)
+    head = f"{'side':<20}{'ran as':<20}{'s/round, eval off':>26}{'eval on':>26}{'samples/s':>11}{'RSS':>10}"
+    title = f"{workload}{' (quick)' if quick else ''} on {device}: median [min–max] of {repeats} runs"
+    print(f"\n{title}")
     print(head)
     print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['mode']:<20}{r['resolved']:<20}{r['seconds_per_round']:>9.3f}"
-            f"{r['seconds_per_round_eval']:>9.3f}{r['samples_per_second']:>11.0f}"
-            f"{100 * r['ceiling_fraction']:>6.1f}%{r['peak_rss_bytes'] / 2**30:>9.2f}G"
-        )
-    best = min(rows, key=lambda r: r["seconds_per_round"])
-    best_eval = min(rows, key=lambda r: r["seconds_per_round_eval"])
-    for peer in PEERS:
-        if f"{peer}_seconds_per_round" not in peers:
-            continue
-        p_off, p_on = peers[f"{peer}_seconds_per_round"], peers[f"{peer}_seconds_per_round_eval"]
-        print(f"{peer:<40}{p_off:>9.3f}{p_on:>9.3f}")
-        print(
-            f"speed-up vs {peer}: {p_off / best['seconds_per_round']:.2f}x eval off ({best['mode']}), "
-            f"{p_on / best_eval['seconds_per_round_eval']:.2f}x eval on ({best_eval['mode']})"
-        )
+    for mode, m in modes.items():
+        rs = list(m["runs"].values())
+        resolved = ",".join(sorted({r["resolved"] for r in rs}))
+        samples = statistics.median(r["samples_per_second"] for r in rs)
+        rss = max(r["peak_rss_bytes"] for r in rs) / 2**30
+        print(f"{mode:<20}{resolved:<20}{fmt(m['off']):>26}{fmt(m['on']):>26}{samples:>11.0f}{rss:>9.2f}G")
+    for peer, p in peers.items():
+        print(f"{peer:<40}{fmt(p['off']):>26}{fmt(p['on']):>26}")
+    for key, r in ratios.items():
+        peer, mode = key.split("/")
+        print(f"speed-up vs {peer} ({mode}): eval off {fmt_ratio(r['off'])}; eval on {fmt_ratio(r['on'])}")
     for s in scaling:
         samples = s["samples_per_second"] * s["seconds_per_round"]
         print(
@@ -415,17 +413,18 @@ def report(
     stem = f"engine_{workload.lower()}{'_quick' if quick else ''}{gpu}"
     meta = {
         "quick": quick,
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
+        "repeats": repeats,
+        "machine": cpu_info(),
         "device": device,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
     }
     # the scaling curves go to their own file, so a later run without them does not erase them
-    parts = [(f"{stem}.json", {"workload": workload, "modes": rows, **peers, **meta})]
+    payload = {"workload": workload, "modes": modes, "peers": peers, "ratios": ratios, **meta}
+    parts = [(f"{stem}.json", payload)]
     if scaling:
         parts.append((f"{stem}_scaling.json", {"workload": workload, "scaling": scaling, **meta}))
-    for name, payload in parts:
-        (RESULTS / name).write_text(json.dumps(payload, indent=2) + "\n")
+    for name, out in parts:
+        (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {RESULTS / name}")
 
 

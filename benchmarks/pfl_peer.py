@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,6 +62,14 @@ class _PflNet(torch.nn.Module):
         }
 
 
+def schedule_sampler(schedule: list[list[int]], start: int, users: dict) -> Callable[[], int]:
+    """pfl's user sampler (called for every user drawn, in order, identically on every worker) walking
+    fedskew's sampling schedule from round ``start``: both sides train the same clients each round (pfl's
+    own samplers draw other users on every run, and their sample counts vary the round's work by ±20%)."""
+    sequence = iter([c for row in schedule[start:] for c in row if c in users])
+    return lambda: next(sequence)
+
+
 def _worker(bundle_path: str, rounds: int, evaluate: bool, stamps_path: str) -> None:
     """One pfl worker process (rank from ``torchrun``'s environment)."""
     from pfl.aggregate.simulate import SimulatedBackend
@@ -70,7 +79,6 @@ def _worker(bundle_path: str, rounds: int, evaluate: bool, stamps_path: str) -> 
     from pfl.callback.central_evaluation import CentralEvaluationCallback
     from pfl.data.dataset import Dataset
     from pfl.data.federated_dataset import FederatedDataset
-    from pfl.data.sampling import get_user_sampler
     from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
     from pfl.internal.ops.selector import get_default_framework_module
     from pfl.metrics import Metrics
@@ -81,7 +89,9 @@ def _worker(bundle_path: str, rounds: int, evaluate: bool, stamps_path: str) -> 
     # pfl evaluates every sampled user and fails on one without data: W4's empty clients (``min_size: 0``)
     # are left out and the cohort is the same fraction of the others, the same expected work per round.
     users = {u: [b["x_train"][idx], b["y_train"][idx]] for u, idx in enumerate(b["train_idx"]) if len(idx)}
-    train_data = FederatedDataset.from_slices(users, get_user_sampler("minimize_reuse", list(users)))
+    # fedskew's evaluation-on rounds follow its evaluation-off ones in the same process: start there too
+    sampler = schedule_sampler(b["schedule"], rounds if evaluate else 0, users)
+    train_data = FederatedDataset.from_slices(users, sampler)
     net = _PflNet(b)
     model = PyTorchModel(
         model=net,

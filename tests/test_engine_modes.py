@@ -124,28 +124,32 @@ def test_vectorized_refuses_batchnorm_running_statistics(caplog):
     assert sim.executor.name == "sequential" and "BatchNorm" in caplog.text
 
 
+def _auto_choice(cfg: dict) -> str:
+    """The executor ``engine.mode=auto`` chose for the first round of ``cfg``."""
+    sim = build_simulation(build_config(cfg))
+    try:
+        sim.run_round()
+        return sim.executor.name
+    finally:
+        sim.close()
+
+
 def test_auto_vectorizes_small_dropout_free_models_only():
     small = worker_config("fedavg", 1, rounds=1, mode="auto", batch_size=8)
     small["model"] = {"name": "cnn_fedproto", "padding": 2, "dropout": 0.0}  # 21.8k parameters
-    sim = build_simulation(build_config(small))
-    sim.run_round()
-    assert sim.executor.name == "vectorized"
+    assert _auto_choice(small) == "vectorized"
     dropout = dict(small, model={"name": "cnn_fedproto", "padding": 2})
-    sim = build_simulation(build_config(dropout))
-    sim.run_round()
-    assert sim.executor.name == "sequential"  # vmap's dropout stream would change the numbers
+    assert _auto_choice(dropout) == "sequential"  # vmap's dropout stream would change the numbers
     large = worker_config("fedavg", 2, rounds=1, mode="auto", epochs=2)  # 430k params, 240 x 2
-    sim = build_simulation(build_config(large))
-    try:
-        sim.run_round()
-        assert sim.executor.name == "workers"
-    finally:
-        sim.close()
-    tiny = worker_config("fedavg", 2, rounds=1, mode="auto")  # ~120 samples x 1 epoch per client
+    assert _auto_choice(large) == "workers"
+    tiny = worker_config("fedprox", 2, rounds=1, mode="auto")  # ~120 samples x 1 epoch per client
     tiny["data"]["num_clients"] = 12
-    sim = build_simulation(build_config(tiny))
-    sim.run_round()
-    assert sim.executor.name == "sequential"  # shipping a task would cost more than running it
+    tiny["engine"]["fold_uploads"] = False
+    assert _auto_choice(tiny) == "sequential"  # shipping every upload back would cost more than training
+    tiny["engine"]["fold_uploads"] = True  # folded in the workers, a round ships no upload
+    assert _auto_choice(tiny) == "workers"
+    tiny["algorithm"] = {"name": "scaffold"}  # its own aggregation: nothing to fold
+    assert _auto_choice(tiny) == "sequential"
 
 
 class _OrderSpy(dict):
@@ -241,7 +245,7 @@ def test_evaluation_batch_defaults_by_device_and_does_not_change_metrics():
 
 
 def test_worker_arena_round_trips_tensors_and_falls_back_inline_when_full():
-    from fedskew.engine.workers import Arena
+    from fedskew.engine.arena import Arena
 
     x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
     msg = {

@@ -308,10 +308,10 @@ def test_the_unsafe_call_finder_finds_them():
 def test_no_unsafe_deserialisation_or_eval_in_the_package():
     found = {p.name: unsafe_calls(ast.parse(p.read_text())) for p in sorted(SRC.rglob("*.py"))}
     assert {k: v for k, v in found.items() if v} == {}
-    # the two Unpicklers: the workers' own messages (written by the parent into memory shared with its
+    # the two Unpicklers: the worker arenas' messages (written by the parent into memory shared with its
     # forks) and CIFAR batches (numpy arrays only)
     unpicklers = [p.name for p in SRC.rglob("*.py") if "pickle.Unpickler" in p.read_text()]
-    assert sorted(unpicklers) == ["cifar.py", "workers.py"]
+    assert sorted(unpicklers) == ["arena.py", "cifar.py"]
 
 
 def test_cifar_pickles_cannot_run_code(tmp_path):

@@ -140,6 +140,13 @@ class EngineSection(Strict):
         "bit-reproducible GPU runs where every operation has a deterministic implementation",
     )
     memory_mb: float = Field(1024.0, gt=0, description="memory budget of one vectorized chunk of clients")
+    fold_uploads: bool = Field(
+        True,
+        description="methods that aggregate with FedAvg's sample-weighted mean (as the base class "
+        "writes it): fold each upload into the mean as it arrives, in sampling order, bit for bit the mean "
+        "of the held uploads (worker processes take turns on one shared sum and send back no upload). "
+        "false: hold the round's uploads and average them at the end",
+    )
     state_memory_mb: float = Field(
         64.0,
         gt=0,

@@ -232,6 +232,16 @@ class Algorithm:
         weights = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
         return ServerUpdate({**server, "weights": weights})
 
+    def aggregate_mean(
+        self, server: State, mean: dict[str, Tensor], uploads: list[Upload], info: RoundInfo
+    ) -> ServerUpdate:
+        """:meth:`aggregate` given ``mean``, the sample-weighted mean of the uploads' model states that the
+        engine folded as they arrived, bit for bit :func:`weighted_average` (``uploads`` then carry their
+        sample counts, config and metrics, not their arrays). The engine calls it only for a class that
+        keeps both this and :meth:`aggregate` as written here (:func:`fedskew.engine.folding.folds_uploads`):
+        FedAvg's server step, Alg. 1."""
+        return ServerUpdate({**server, "weights": mean})
+
     # ---------------------------------------------------------------- client side
     def init_client(self, cid: int) -> State:
         """A client's state before its first round (from the context only: a client process has no server
@@ -282,7 +292,14 @@ class Algorithm:
 def sample_weights(uploads: list[Upload]) -> Tensor:
     """Aggregation weights proportional to local sample counts (FedAvg's n_k / n); equal weights when every
     upload comes from a client without data (``min_size: 0`` partitions), whose upload is the model it got."""
-    n = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
+    return count_weights([u.num_samples for u in uploads])
+
+
+def count_weights(counts: Sequence[int]) -> Tensor:
+    """:func:`sample_weights` of uploads with these sample counts (float64): ``n_k / n``, or ``1 / K`` when
+    every count is 0. The engine plans a round's FedAvg weights with it before the uploads exist
+    (:mod:`fedskew.engine.folding`)."""
+    n = torch.tensor([float(c) for c in counts], dtype=torch.float64)
     total = n.sum()
     return n / total if total > 0 else torch.full_like(n, 1.0 / len(n))
 

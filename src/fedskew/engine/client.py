@@ -108,27 +108,27 @@ def load_start_weights(model: nn.Module, weights: Mapping[str, Tensor], algorith
 
 
 def finish_client(
-    rt: ClientRuntime, model: nn.Module, client: PreparedClient, result: LocalResult
+    rt: ClientRuntime, model: nn.Module, client: PreparedClient, result: LocalResult, check: bool = True
 ) -> ClientOutcome:
     """Run ``finish_local`` (``model`` holds the trained weights) and turn its output into an outcome; a
-    non-finite upload is rejected."""
+    non-finite upload is rejected (``check=False``: a folded round checks its mean instead)."""
     out = ClientOutcome.received(client.cid, client.payload)
     done = rt.algorithm.finish_local(client.step.replace(model=model), result)
-    if not finite_upload(done.upload, client.info.round, client.cid):
+    if check and not finite_upload(done.upload, client.info.round, client.cid):
         return out
-    out.upload = Upload(cid=client.cid, num_samples=client.step.client.num_samples, payload=done.upload)
+    out.accept(Upload(cid=client.cid, num_samples=client.step.client.num_samples, payload=done.upload))
     out.state = tree_to(done.state, "cpu")
     out.loss = result.loss
     return out
 
 
 def train_client(
-    rt: ClientRuntime, cid: int, round_idx: int, payload: Payload, state: State
+    rt: ClientRuntime, cid: int, round_idx: int, payload: Payload, state: State, check: bool = True
 ) -> ClientOutcome:
     """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``. A
     client that raises fails the round with a :class:`ClientError` naming it, or under
     ``on_client_error=drop`` is dropped (a rejected outcome, logged): :mod:`fedskew.engine.policy`. A
-    ContractError is always raised."""
+    ContractError is always raised. ``check=False``: the upload's finiteness is left to the folded mean."""
     try:
         model = rt.models.model_for(cid)
         client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
@@ -137,7 +137,7 @@ def train_client(
         except NonFiniteLoss as err:
             log.warning("round %d: rejected update: %s", round_idx, err)
             return ClientOutcome.received(cid, payload)
-        return finish_client(rt, model, client, result)
+        return finish_client(rt, model, client, result, check)
     except ContractError:  # the algorithm breaks the contract for every client: never a client's fault
         raise
     except Exception as err:  # the policy fails the round (fedskew.engine.policy) or drops the client

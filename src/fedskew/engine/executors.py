@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Protocol
 
 from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
+from fedskew.engine.folding import FoldedRound, Folder, MeanFold, finite_mean
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.vectorized import NotVectorizable, train_vectorized, unsupported_reason
@@ -75,7 +77,12 @@ def train_sequential(rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[
     alg = rt.algorithm
     return [
         train_client(
-            rt, cid, job.round, alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed)), job.states[cid]
+            rt,
+            cid,
+            job.round,
+            alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed)),
+            job.states[cid],
+            check=not job.folded,
         )
         for cid in cids
     ]
@@ -145,6 +152,46 @@ class Vectorized:
         return train_grouped_vectorized(rt, job, cids, self.memory_mb)
 
 
+def plan_fold(rt: ClientRuntime, job: RoundJob) -> MeanFold | None:
+    """The round's FedAvg weights from the sampled clients' sample counts (:mod:`fedskew.engine.folding`)."""
+    return MeanFold.plan(job.cids, [rt.data.size(c) for c in job.cids])
+
+
+def train_folding(
+    kind: ExecutorKind,
+    rt: ClientRuntime,
+    job: RoundJob,
+    positions: list[int],
+    folder: Folder,
+) -> list[ClientOutcome] | None:
+    """Train the clients at ``positions`` of the round's sampling order with ``kind``, handing each upload to
+    ``folder`` at its position as it arrives (a grouped kind: after its group). Returns the receipts, or
+    ``None`` as soon as the fold is abandoned (a client was not accepted, here or in another process)."""
+    cids = [job.cids[i] for i in positions]
+    at = positions
+    if kind.grouped:
+        outs = [folder.add(o, i) for o, i in zip(kind.train(rt, job, cids), at, strict=True)]
+        return outs if folder.valid else None
+    outs = []
+    for cid, i in zip(cids, at, strict=True):
+        outs.append(folder.add(kind.train(rt, job, [cid])[0], i))
+        if not folder.valid:
+            return None
+    return outs
+
+
+def fold_in_process(
+    kind: ExecutorKind, rt: ClientRuntime, job: RoundJob, fold: MeanFold
+) -> FoldedRound | None:
+    """Train ``job`` in this process with ``kind``, folding every upload (``None``: fold abandoned)."""
+    folder = Folder(fold)
+    outcomes = train_folding(kind, rt, replace(job, folded=True), list(range(len(job.cids))), folder)
+    mean = folder.mean()
+    if outcomes is None or mean is None or not finite_mean(mean):
+        return None
+    return FoldedRound(outcomes, mean)
+
+
 class InProcessExecutor:
     """Runs an executor kind on every round's clients in this process."""
 
@@ -153,6 +200,16 @@ class InProcessExecutor:
 
     def train(self, job: RoundJob) -> list[ClientOutcome]:
         return self.kind.train(self.rt, job, job.cids)
+
+    def train_folded(self, job: RoundJob) -> FoldedRound:
+        """:meth:`train`, each upload folded into FedAvg's mean as it arrives; a client not accepted abandons
+        the fold and the round trains again unfolded (the same uploads)."""
+        fold = plan_fold(self.rt, job)
+        if fold is not None:
+            folded = fold_in_process(self.kind, self.rt, job, fold)
+            if folded is not None:
+                return folded
+        return FoldedRound(self.train(job), None)
 
     def close(self) -> None:
         pass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch
 from fedskew.algorithms.base import Algorithm, RoundInfo, State
 from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
+from fedskew.engine.folding import FoldingExecutor, folds_uploads
 from fedskew.engine.policy import check_rejected
 from fedskew.engine.states import ClientStates, JobStates
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
@@ -63,6 +64,7 @@ class RoundPlan:
     seed: int
     on_client_error: str = "drop_non_finite"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    fold_uploads: bool = True  # engine.fold_uploads (fedskew.engine.folding)
 
     @property
     def rounds(self) -> int:
@@ -86,6 +88,10 @@ class Simulation:
         self.executor, self.evaluator, self.states = executor, evaluator, states
         self.schedule, self.num_clients, self.rounds = plan.schedule, plan.num_clients, plan.rounds
         self.every, self.seed = plan.every, plan.seed
+        # FedAvg's mean folded as uploads arrive, where the method and the executor allow it
+        self.folding = (
+            plan.fold_uploads and folds_uploads(algorithm) and isinstance(executor, FoldingExecutor)
+        )
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.skipped: list[int] = []  # rounds in which every sampled client was rejected
@@ -109,7 +115,13 @@ class Simulation:
         r = self.round + 1
         cids = self.schedule[r - 1].tolist()
         t0 = time.perf_counter()
-        outcomes = self.executor.train(RoundJob(r, cids, self.server, JobStates(self.states, cids)))
+        job = RoundJob(r, cids, self.server, JobStates(self.states, cids))
+        mean = None
+        if self.folding:
+            folded = cast(FoldingExecutor, self.executor).train_folded(job)
+            outcomes, mean = folded.outcomes, folded.mean
+        else:
+            outcomes = self.executor.train(job)
         rejected = [o.cid for o in outcomes if o.upload is None and not o.dropped]
         check_rejected(self.plan.on_client_error, r, rejected)
         uploads = [o.upload for o in outcomes if o.upload is not None]
@@ -117,11 +129,16 @@ class Simulation:
             log.warning("round %d: every sampled client was rejected; the round is skipped", r)
         t1 = time.perf_counter()
         info = RoundInfo(round=r, cid=None, seed=self.seed)
-        update = self.algorithm.aggregate(self.server, uploads, info) if uploads else None
+        update = None
+        if mean is not None:  # folded (every client accepted): FedAvg's mean, the uploads without arrays
+            update = self.algorithm.aggregate_mean(self.server, mean, uploads, info)
+        elif uploads:
+            update = self.algorithm.aggregate(self.server, uploads, info)
         server = self.server if update is None else update.state
         t2 = time.perf_counter()
         states = {o.cid: o.state for o in outcomes if o.state is not None}
-        traffic = sum(u.payload.nbytes() for u in uploads), sum(o.bytes_down for o in outcomes)
+        up = sum(o.bytes_up for o in outcomes if o.upload is not None)
+        traffic = up, sum(o.bytes_down for o in outcomes)
         record = None
         if r % self.every == 0 or r == self.rounds:
             record = self._record(r, server, states, outcomes, traffic)
@@ -167,7 +184,7 @@ class Simulation:
             bytes_down=self.bytes_down + round_down,
             round_bytes_up=round_up,
             round_bytes_down=round_down,
-            round_params_up=sum(u.payload.num_params() for u in uploads),
+            round_params_up=sum(o.params_up for o in outcomes if o.upload is not None),
             round_params_down=sum(o.params_down for o in outcomes),
             rejected=sum(o.upload is None and not o.dropped for o in outcomes),
         )

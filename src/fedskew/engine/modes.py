@@ -3,9 +3,10 @@
 ``engine.mode`` names an executor kind registered in :data:`~fedskew.engine.executors.EXECUTORS`, or
 ``auto``. The ``auto`` rules are measured on this project's 2-core CPU machine (docs/performance.md): vmap
 wins on small models at small batches and loses on large convolutions; worker processes win once a
-client's round is a few hundred samples x epochs; NHWC convolutions are 1.1-1.6x faster on CPU. ``auto``
-never vectorizes a model with dropout, because vmap's dropout stream differs from the sequential loop's,
-so ``auto`` always reproduces the sequential numbers.
+client's round is a few hundred samples x epochs, or whatever the clients' size when FedAvg's mean is
+folded in the workers (:mod:`fedskew.engine.folding`: no upload is shipped); NHWC convolutions are
+1.1-1.6x faster on CPU. ``auto`` never vectorizes a model with dropout, because vmap's dropout stream
+differs from the sequential loop's, so ``auto`` always reproduces the sequential numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from fedskew.engine import executors, workers  # noqa: F401  (the built-in executor kinds register)
 from fedskew.engine.executors import EXECUTORS, Executor, ExecutorKind, InProcessExecutor
+from fedskew.engine.folding import FoldedRound, FoldingExecutor, folds_uploads
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.workers import WorkerExecutor, pool_supported
@@ -65,6 +67,9 @@ def _auto_kind(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> tup
     work = float(np.mean([rt.data.size(c) for c in cids])) * rt.client.epochs
     if pool_reason is None and work >= AUTO_WORKERS_MIN_SAMPLES:
         return seq, "", True
+    if pool_reason is None and engine.fold_uploads and folds_uploads(rt.algorithm):
+        # folded in the workers, a round ships no upload: many small clients pay for the processes too
+        return seq, "FedAvg's mean folded in the workers", True
     reasons = [r for r in (vec_reason, pool_reason if engine.workers > 1 else None) if r]
     if engine.workers > 1 and not reasons:
         reasons = [f"clients too small for workers (< {AUTO_WORKERS_MIN_SAMPLES} samples x epochs)"]
@@ -126,6 +131,14 @@ class EmbeddedExecutor:
         if self.chosen is None:
             self.chosen = make_executor(self.runtime, self.engine, job.cids)
         return self.chosen.train(job)
+
+    def train_folded(self, job: RoundJob) -> FoldedRound:
+        """The chosen executor's folded round (:mod:`fedskew.engine.folding`), or its plain one."""
+        if self.chosen is None:
+            self.chosen = make_executor(self.runtime, self.engine, job.cids)
+        if isinstance(self.chosen, FoldingExecutor):
+            return self.chosen.train_folded(job)
+        return FoldedRound(self.chosen.train(job), None)
 
     def close(self) -> None:
         if self.chosen is not None:

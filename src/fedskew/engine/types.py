@@ -27,6 +27,13 @@ class ClientOutcome:
     state: State | None = None  # the client's new state (CPU), committed with the round
     loss: float = float("nan")
     dropped: bool = False  # the runtime lost the client (its node did not reply in time); never rejected
+    bytes_up: int = 0  # the accepted upload's traffic (kept when a folding executor drops its arrays)
+    params_up: int = 0
+
+    def accept(self, upload: Upload) -> None:
+        """Take ``upload`` as the client's accepted upload and count its traffic."""
+        self.upload = upload
+        self.bytes_up, self.params_up = upload.payload.nbytes(), upload.payload.num_params()
 
     @classmethod
     def received(cls, cid: int, payload: Payload) -> ClientOutcome:
@@ -43,6 +50,9 @@ class RoundJob:
     cids: list[int]
     server: State
     states: Mapping[int, State] = field(default_factory=dict)
+    #: the uploads go into a folded mean (fedskew.engine.folding), whose one check of finiteness stands in
+    #: for each upload's: a non-finite mean abandons the fold and the round trains again unfolded
+    folded: bool = False
 
 
 def tree_to(obj: Any, device: torch.device | str) -> Any:

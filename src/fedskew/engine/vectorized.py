@@ -192,7 +192,7 @@ class _Chunk:
     """One vmap group: clients of one architecture with the same schedule structure."""
 
     def __init__(self, rt: ClientRuntime, model: nn.Module, job: RoundJob, cids: list[int]) -> None:
-        self.rt, self.model, alg = rt, model, rt.algorithm
+        self.rt, self.model, self.job, alg = rt, model, job, rt.algorithm
         self.names = [n for n, _ in model.named_parameters()]
         self.clients: list[_Client] = []
         starts: list[dict[str, Tensor]] = []
@@ -338,7 +338,8 @@ class _Chunk:
         seed_torch(prep.seed, self.rt.device)  # the global stream as the client's own, after the batched loop
         prep.step = prep.step.replace(scratch=Scratch({n: v[k] for n, v in self.scratch.items()}))
         lr = prep.phases[-1].lr * prep.lr_scale if prep.phases else self.rt.client.lr
-        return finish_client(self.rt, self.model, prep, LocalResult(steps=c.steps, loss=c.loss, lr=lr))
+        result = LocalResult(steps=c.steps, loss=c.loss, lr=lr)
+        return finish_client(self.rt, self.model, prep, result, check=not self.job.folded)
 
 
 _NO_CLIENT = _NoClient()

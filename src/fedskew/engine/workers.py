@@ -9,14 +9,13 @@ sends a worker the server state (once, with its first task of the round) and, pe
 their states; the worker runs the very same executor kind (:mod:`fedskew.engine.executors`: sequential or
 vectorized) as the parent would and sends the outcomes back.
 
-Messages carry their tensors through an :class:`Arena` per worker and direction: an anonymous shared mapping
-made before the fork, so a tensor costs one copy in and one copy out. (torch's own sharing makes a shared
-memory file per tensor and passes its descriptor over a socket: ~0.6 ms a tensor, 5 ms for an 8-tensor
-upload, more than training a 60-sample client costs.)
+Messages carry their tensors through an :class:`~fedskew.engine.arena.Arena` per worker and direction.
 
 Results equal the sequential executor's: ``train_client`` seeds everything from ``(seed, round, client)``, the
 outcomes are put back in sampling order, and the parent alone aggregates and evaluates. Tasks go out
-largest client first, each to the first worker that is free (longest-processing-time scheduling).
+largest client first, each to the first worker that is free (longest-processing-time scheduling). A round
+whose mean is folded (:mod:`fedskew.engine.folding`) goes out as one task per worker instead, and the
+workers fold the uploads into a shared sum (:mod:`fedskew.engine.fold_workers`): no upload comes back.
 
 Forking needs a CPU run (CUDA cannot be forked); :func:`pool_supported` says why not otherwise.
 """
@@ -26,24 +25,31 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import io
 import logging
-import mmap
 import os
-import pickle
 import queue
 import signal
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.multiprocessing as mp
 
 from fedskew.algorithms.base import State
-from fedskew.engine.executors import ExecutorKind
+from fedskew.engine.arena import Arena
+from fedskew.engine.executors import ExecutorKind, fold_in_process, plan_fold
+from fedskew.engine.fold_workers import (
+    FoldResult,
+    FoldTask,
+    SharedRound,
+    SharedSum,
+    interleaved_shares,
+    train_fold_task,
+)
+from fedskew.engine.folding import FoldedRound, MeanFold, finish_mean, finite_mean
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import RunFailure
@@ -54,80 +60,11 @@ log = logging.getLogger("fedskew.engine")
 _INHERITED: tuple[ClientRuntime, ExecutorKind] | None = None
 #: seconds between liveness checks while waiting for results
 _POLL_SECONDS = 1.0
-#: bytes of each arena (virtual: pages are only backed once written); larger messages are pickled whole
-ARENA_BYTES = 1 << 30
 #: prctl option: the signal a process gets when its parent dies (linux/prctl.h)
 _PR_SET_PDEATHSIG = 1
 #: times a round is run again on freshly forked workers after a worker process died mid-round
 WORKER_RETRIES = 1
-_ALIGN = 64
-
-
-class _ArenaPickler(pickle.Pickler):
-    """Writes each plain CPU tensor's bytes into ``arena`` at the next aligned offset and pickles only the
-    reference ``(offset, dtype, shape, requires_grad)``."""
-
-    def __init__(self, file: io.BytesIO, arena: torch.Tensor) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.arena, self.offset = arena, 0
-
-    def persistent_id(self, o: Any) -> Any:
-        if type(o) is not torch.Tensor or o.layout != torch.strided or o.device.type != "cpu":
-            return None  # parameters and other subclasses keep their type: pickled inline
-        flat = o.detach().contiguous().reshape(-1)
-        n = flat.numel() * flat.element_size()
-        if self.offset + n > self.arena.numel():
-            return None  # does not fit: pickled inline
-        if n:
-            self.arena[self.offset : self.offset + n].copy_(flat.view(torch.uint8))
-        pid = (self.offset, o.dtype, tuple(o.shape), o.requires_grad)
-        self.offset += -(-n // _ALIGN) * _ALIGN
-        return pid
-
-
-class _ArenaUnpickler(pickle.Unpickler):
-    """Rebuilds the tensors :class:`_ArenaPickler` referenced, as copies out of ``arena``."""
-
-    def __init__(self, file: io.BytesIO, arena: torch.Tensor) -> None:
-        super().__init__(file)
-        self.arena = arena
-
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        offset, dtype, shape, requires_grad = pid
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        t = self.arena[offset : offset + n].view(dtype).reshape(shape).clone()
-        return t.requires_grad_(requires_grad)
-
-
-class Arena:
-    """A shared anonymous memory mapping that carries the tensors of one message at a time.
-
-    Made before the fork, it is the same memory in the parent and the worker. :meth:`dumps` pickles an
-    object with each tensor's bytes written into the arena (referenced by offset); :meth:`loads` rebuilds it
-    with copies, so the writer may reuse the arena as soon as the reader has loaded. The protocol keeps one
-    message per arena in flight: a worker has one task at a time, and the parent loads its result before
-    it sends that worker the next task.
-    """
-
-    def __init__(self, nbytes: int = ARENA_BYTES) -> None:
-        while True:  # under strict overcommit accounting a large mapping may be refused: take less
-            try:
-                self._map = mmap.mmap(-1, nbytes)
-                break
-            except OSError:
-                if nbytes <= 1 << 24:
-                    raise
-                nbytes //= 2
-        self.nbytes = nbytes
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    def dumps(self, obj: Any) -> bytes:
-        out = io.BytesIO()
-        _ArenaPickler(out, self._bytes).dump(obj)
-        return out.getvalue()
-
-    def loads(self, data: bytes) -> Any:
-        return _ArenaUnpickler(io.BytesIO(data), self._bytes).load()
+_T = TypeVar("_T")
 
 
 class WorkerDied(RunFailure):
@@ -162,13 +99,14 @@ def die_with_parent(parent: int) -> None:
 
 
 def _worker_main(
-    inbox: Any, outbox: Any, wid: int, task_arena: Arena, result_arena: Arena, parent: int
+    inbox: Any, outbox: Any, wid: int, arenas: tuple[Arena, Arena], shared: SharedSum, parent: int
 ) -> None:
     """Worker loop: ``(round, cids, server | None, client states)`` in, ``(wid, cids, outcomes)`` out. A task
     is one client, or for a grouped kind (vectorized) a group trained at once. The server state comes with a
     worker's first task of a round and serves its later ones."""
     assert _INHERITED is not None
     rt, kind = _INHERITED
+    task_arena, result_arena = arenas
     if sys.platform.startswith("linux"):
         die_with_parent(parent)
     torch.set_num_threads(1)
@@ -178,12 +116,19 @@ def _worker_main(
         message = inbox.get()
         if message is None:
             return
-        round_idx, cids, new_server, states = task_arena.loads(message)
-        if new_server is not None:
-            server = new_server
-        job = RoundJob(round_idx, cids, server, dict(zip(cids, states, strict=True)))
+        task = task_arena.loads(message)
+        if isinstance(task, FoldTask):
+            job, cids = task.job, task.job.cids
+        else:
+            round_idx, cids, new_server, states = task
+            if new_server is not None:
+                server = new_server
+            job = RoundJob(round_idx, cids, server, dict(zip(cids, states, strict=True)))
         try:
-            outcome: Any = kind.train(rt, job, cids)
+            if isinstance(task, FoldTask):
+                outcome: Any = train_fold_task(rt, kind, task, shared)
+            else:
+                outcome = kind.train(rt, job, cids)
         except Exception as err:  # sent back: the parent raises it with the client's id
             outcome = WorkerFailure(cids[0], err)
         outbox.put((wid, cids, result_arena.dumps(outcome)))
@@ -211,6 +156,7 @@ class WorkerPool:
         self.outbox = ctx.Queue()
         self.task_arenas = [Arena() for _ in range(n)]
         self.result_arenas = [Arena() for _ in range(n)]
+        self.shared = SharedSum(Arena(), SharedRound(ctx))
         _INHERITED = (rt, kind)
         try:
             self.procs = [
@@ -220,8 +166,8 @@ class WorkerPool:
                         self.inboxes[i],
                         self.outbox,
                         i,
-                        self.task_arenas[i],
-                        self.result_arenas[i],
+                        (self.task_arenas[i], self.result_arenas[i]),
+                        self.shared,
                         os.getpid(),
                     ),
                     daemon=True,
@@ -267,6 +213,34 @@ class WorkerPool:
                 send(w)
                 busy += 1
         return [done[c] for c in cids]
+
+    def train_folded(
+        self, job: RoundJob, fold: MeanFold, shares: list[list[int]] | None
+    ) -> FoldedRound | None:
+        """Train ``job``'s clients folding into the shared sum (:mod:`fedskew.engine.fold_workers`): every
+        worker takes clients as it goes (``shares=None``) or trains its share. The mean is bit for bit the
+        in-process fold's; ``None``: the fold was abandoned."""
+        self.shared.round.reset()
+        parts = [None] * self.n if shares is None else shares
+        for w, positions in enumerate(parts):
+            mine = job.cids if positions is None else [job.cids[i] for i in positions]
+            states = {c: job.states[c] for c in mine}
+            task = FoldTask(RoundJob(job.round, job.cids, job.server, states, folded=True), positions, fold)
+            self.inboxes[w].put(self.task_arenas[w].dumps(task))
+        done: list[FoldResult] = []
+        while len(done) < len(parts):
+            _, _, result = self._receive()
+            if isinstance(result, WorkerFailure):
+                raise result.error
+            done.append(result)
+        if self.shared.round.abandoned() or any(r[0] is None for r in done):
+            return None
+        layout = next(r[1] for r in done if r[1])
+        acc = {k: v.clone() for k, v in self.shared.slots_of(layout).items()}
+        by_position = dict(pair for r in done for pair in r[0] or [])
+        outcomes = [by_position[i] for i in range(len(job.cids))]
+        mean = finish_mean(acc, {k: d for k, _, d in layout})
+        return FoldedRound(outcomes, mean) if finite_mean(mean) else None
 
     def _receive(self) -> tuple[int, list[int], Any]:
         while True:
@@ -316,15 +290,45 @@ class WorkerExecutor:
         """Worker processes alive now (0 before the first shared round and after :meth:`close`)."""
         return 0 if self.pool is None else sum(p.is_alive() for p in self.pool.procs)
 
+    def _too_small(self, job: RoundJob) -> bool:
+        return len(job.cids) < (2 * self.workers if self.kind.grouped else 2)
+
     def train(self, job: RoundJob) -> list[ClientOutcome]:
-        if len(job.cids) < (2 * self.workers if self.kind.grouped else 2):  # too small to share
+        if self._too_small(job):  # too small to share
             return self.kind.train(self.rt, job, job.cids)
+        return self._pooled(
+            job, lambda pool: pool.train(job, lambda cid: float(self.rt.data.size(cid)), self.kind.grouped)
+        )
+
+    def train_folded(self, job: RoundJob) -> FoldedRound:
+        """:meth:`train` with FedAvg's mean folded in the workers (:meth:`WorkerPool.train_folded`); a client
+        not accepted abandons the fold and the round trains again unfolded (the same uploads)."""
+        fold = plan_fold(self.rt, job)
+        if fold is not None and self._too_small(job):
+            in_process = fold_in_process(self.kind, self.rt, job, fold)
+            if in_process is not None:
+                return in_process
+        elif fold is not None:
+            shares = None  # dynamic: clients without state, trained one at a time
+            if self.kind.grouped or any(job.states[c] for c in job.cids):
+                epochs, batch = self.rt.client.epochs, self.rt.client.batch_size
+                # samples trained, plus about a batch of per-client work
+                costs = [float(epochs * self.rt.data.size(c) + batch) for c in job.cids]
+                shares = interleaved_shares(costs, self.workers)
+            folded = self._pooled(job, lambda pool: pool.train_folded(job, fold, shares))
+            if folded is not None:
+                return folded
+        return FoldedRound(self.train(job), None)
+
+    def _pooled(self, job: RoundJob, work: Callable[[WorkerPool], _T]) -> _T:
+        """``work`` on the pool (forked now if needed). A worker that died mid-round: the round again on new
+        workers, once; a failure or an interrupt: the workers stopped."""
         attempt = 0
         while True:
             if self.pool is None:
                 self.pool = WorkerPool(self.rt, self.kind, min(self.workers, len(self.rt.data.index)))
             try:
-                return self.pool.train(job, lambda cid: float(self.rt.data.size(cid)), self.kind.grouped)
+                return work(self.pool)
             except WorkerDied as err:  # nothing of the round was committed: run it again on new workers
                 self.pool, attempt = None, attempt + 1
                 if attempt > WORKER_RETRIES:

@@ -185,6 +185,7 @@ def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
         seed=cfg.seed,
         on_client_error=cfg.engine.on_client_error,
         device=resolve_device(cfg.engine.device),
+        fold_uploads=cfg.engine.fold_uploads,
     )
 
 

@@ -269,7 +269,7 @@ class FlowerExecutor:
             if not finite_upload(payload, r, int(cid)):
                 continue
             o = out[int(cid)]
-            o.upload = Upload(cid=int(cid), num_samples=int(n), payload=payload)
+            o.accept(Upload(cid=int(cid), num_samples=int(n), payload=payload))
             o.state, o.loss = {REF_KEY: r}, float(loss)
         return out
 
