@@ -168,12 +168,11 @@ def train_folding(
     ``folder`` at its position as it arrives (a grouped kind: after its group). Returns the receipts, or
     ``None`` as soon as the fold is abandoned (a client was not accepted, here or in another process)."""
     cids = [job.cids[i] for i in positions]
-    at = positions
     if kind.grouped:
-        outs = [folder.add(o, i) for o, i in zip(kind.train(rt, job, cids), at, strict=True)]
+        outs = [folder.add(o, i) for o, i in zip(kind.train(rt, job, cids), positions, strict=True)]
         return outs if folder.valid else None
     outs = []
-    for cid, i in zip(cids, at, strict=True):
+    for cid, i in zip(cids, positions, strict=True):
         outs.append(folder.add(kind.train(rt, job, [cid])[0], i))
         if not folder.valid:
             return None
