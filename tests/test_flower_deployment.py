@@ -4,10 +4,11 @@ reaped at the end, also when a test fails). On it: the embedded engine's metrics
 FedProto with heterogeneous models whose personal state lives on the nodes), an unregistered node refused,
 a SuperNode SIGKILLed mid-round (its clients dropped for that round; restarted, it serves again) and a
 ServerApp SIGKILLed mid-run and resumed with ``resume=true`` from its checkpoint (SCAFFOLD: the clients'
-control variates come back from the nodes' state folders).
+control variates come back from the nodes' state folders), silos each serving their own image folder to a
+ServerApp without data, and the app folder ``fedskew flower-app`` writes run with ``flwr run``.
 
 In ``make test`` (and so in CI). The tests share the deployment: tests/conftest.py collects this file
-first, so that ``pytest -n 2`` sends all three to the first worker in its first chunk (a second worker
+first, so that ``pytest -n 2`` sends all of them to the first worker in its first chunk (a second worker
 would start a deployment of its own); that worker mostly waits on Flower's processes while the other runs
 the rest of the suite."""
 
@@ -24,6 +25,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from fedskew.errors import FedskewError
 from fedskew.experiment.config import build_config, load_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.flower import deploy
@@ -31,7 +33,11 @@ from fedskew.flower.apps import Job
 from fedskew.flower.deploy import LocalDeployment, deployment_pids
 from tests.barrier_run import arrived, barrier_app
 from tests.flower_keys import write_node_key, write_tls
+from tests.silo_folders import write_silos
 from tests.test_flower import assert_same_metrics, embedded, flower_config, records
+from tests.test_flower_app_folder import DIGITS
+from tests.test_flower_app_folder import fedskew as fedskew_cli
+from tests.test_flower_silos import silo_config
 
 pytestmark = [pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +45,11 @@ DEADLINE = 600.0  # seconds any one Flower run of these tests may take
 
 
 class Federation:
-    """The shared deployment and the key of a node that was never registered."""
+    """The shared deployment, the key of a node that was never registered, and the nodes' own image
+    folders."""
 
-    def __init__(self, dep: LocalDeployment, intruder_key: Path) -> None:
-        self.dep, self.intruder_key = dep, intruder_key
+    def __init__(self, dep: LocalDeployment, intruder_key: Path, silos: list[Path]) -> None:
+        self.dep, self.intruder_key, self.silos = dep, intruder_key, silos
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +58,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
     tls = write_tls(folder)
     keys = {i: write_node_key(folder, f"node{i}") for i in range(4)}
     registered = [keys[i].with_name(f"node{i}.pub") for i in range(3)]  # node key 3 is not registered
-    with LocalDeployment(3, tls=tls, node_keys={i: keys[i] for i in range(3)}, registered=registered) as dep:
-        yield Federation(dep, keys[3])
+    # each node also has its own image folder (node-local data); the digits configs read no data root
+    roots = write_silos(folder / "silos")
+    own = {i: {"data-root": str(root)} for i, root in enumerate(roots)}
+    with LocalDeployment(
+        3, tls=tls, node_keys={i: keys[i] for i in range(3)}, registered=registered, node_config=own
+    ) as dep:
+        yield Federation(dep, keys[3], roots)
 
 
 def _job(raw: dict, out: Path, resume: bool = False) -> Job:
@@ -123,6 +135,33 @@ def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_
     assert_same_metrics(records(tmp_path / "fedproto"), fedproto_reference)
 
 
+def test_silos_each_serving_its_own_folder_give_the_embedded_metrics_and_a_mismatched_node_fails_naming_it(
+    federation, tmp_path
+):
+    """Each SuperNode reads only its own image folder (its node config's data-root, a different mix of the
+    ten classes); the ServerApp's config names no data root, so every number comes from the nodes. FedAvg
+    and Ditto (personal models kept and scored on the nodes) equal the embedded engine on the same folders
+    joined. A config whose label space lacks a class node 1 holds fails before training, in one line."""
+    dep, roots = federation.dep, federation.silos
+    raws = [silo_config(roots, "fedavg"), silo_config(roots, "ditto")]
+    raws[1]["eval"]["protocol"] = "personalized"
+
+    def deployed(raw: dict) -> dict:  # what the ServerApp is given: no data roots at all
+        return {**raw, "data": {**raw["data"], "nodes": {**raw["data"]["nodes"], "roots": []}}}
+
+    dep.run([_job(deployed(raw), tmp_path / raw["algorithm"]["name"]) for raw in raws])
+    for raw in raws:
+        name = raw["algorithm"]["name"]
+        assert_same_metrics(records(tmp_path / name), embedded(raw, tmp_path / f"{name}-embedded"))
+    narrow = deployed(silo_config(roots))
+    narrow["data"]["nodes"]["classes"] = [str(c) for c in range(9)]  # node 1 and node 2 hold a '9'
+    with pytest.raises(FedskewError) as err:
+        dep.run([_job(narrow, tmp_path / "narrow")])
+    message = str(err.value)
+    assert "\n" not in message and f"node 1 (data root {roots[1]}): classes ['9'] are not in" in message
+    assert not (tmp_path / "narrow" / "metrics.jsonl").exists()
+
+
 def test_a_supernode_killed_mid_round_loses_its_clients_for_the_round_and_serves_again_after_a_restart(
     federation, tmp_path, monkeypatch
 ):
@@ -172,3 +211,20 @@ def test_a_server_app_killed_mid_run_resumes_from_its_checkpoint_with_the_client
     dep.run([_job(raw, out, resume=True)])  # a new Flower run; the nodes' state folders keep the variates
     assert_same_metrics(records(out), reference)
     assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+
+
+def test_flwr_run_runs_the_written_app_with_the_embedded_metrics(federation, tmp_path):
+    app, results = tmp_path / "app", tmp_path / "results"
+    made = fedskew_cli(
+        "flower-app", str(DIGITS), "--out", str(app), "--set", "rounds=1", "--results", str(results)
+    )
+    assert made.returncode == 0, made.stderr
+    dep = federation.dep
+    text = dep.flwr(["run", str(app), "local", "--format", "json"])  # the app exactly as written
+    dep.wait(int(json.loads(text[text.index("{") :])["run-id"]), timeout=DEADLINE)
+    reference = tmp_path / "embedded"
+    run_experiment(load_config(DIGITS, ["rounds=1", "engine.runtime=embedded"]), reference)
+    assert_same_metrics(records(results), records(reference))
+    got, want = (json.loads((d / "summary.json").read_text()) for d in (results, reference))
+    assert got["final"] == pytest.approx(want["final"], abs=1e-5)
+    assert (got["bytes_up"], got["bytes_down"], got["rounds"]) == (want["bytes_up"], want["bytes_down"], 1)

@@ -1,5 +1,5 @@
-"""``fedskew`` command line: run, sweep, list, report, demo, data show, features, cachefl-search,
-cachefl-posthoc.
+"""``fedskew`` command line: run, flower-app, sweep, list, report, demo, data show, features,
+cachefl-search, cachefl-posthoc.
 
 Bad input exits with code 2 and one line naming the problem and the allowed values.
 """
@@ -106,6 +106,28 @@ def run(
     console.print(
         f"final accuracy {100 * f['accuracy']:.2f}% (± {100 * f.get('accuracy_std', 0.0):.2f} over clients) "
         f"after {summary['rounds']} rounds in {summary['wall_seconds']:.1f} s -> {out}"
+    )
+
+
+@app.command("flower-app")
+def flower_app(
+    config: Path = typer.Argument(..., help="YAML config file"),
+    out: Path = typer.Option(..., "--out", help="the app folder to write (pyproject.toml, README.md)"),
+    set_: list[str] = typer.Option([], "--set", help="override: dotted.key=value (repeatable)"),
+    results: str = typer.Option(
+        "", "--results", help="results folder on the SuperLink (default runs/<stem>)"
+    ),
+    force: bool = typer.Option(False, "--force", help="overwrite the app files of an existing folder"),
+) -> None:
+    """Write a standalone Flower app running CONFIG on fedskew's ServerApp and ClientApp (the resolved
+    config in its run config); submit it with `flwr run OUT CONNECTION`."""
+    from fedskew.experiment.config import load_config
+    from fedskew.flower.app_folder import write_app
+
+    cfg = load_config(config, set_)
+    files = write_app(out, cfg, results or f"runs/{config.stem}", config.stem, force=force)
+    typer.echo(
+        f"wrote {', '.join(map(str, files))}; run: flwr run {out} CONNECTION ({cfg.engine.nodes} SuperNodes)"
     )
 
 

@@ -114,6 +114,35 @@ class EvalSection(Strict):
     )
 
 
+class NodeDataSection(Strict):
+    """``data.nodes``: node-local data (``data.source: nodes``, docs/deployment.md "Silos")."""
+
+    clients: int = Field(1, ge=1, description="clients per node, split locally by data.partition")
+    roots: list[str] = Field(
+        default_factory=list,
+        description="node i's data root (embedded and flower-simulation runs, and the nodes "
+        "flower-deployment starts); a deployed SuperNode's own data-root node config takes precedence",
+    )
+    classes: list[str] | None = Field(
+        None,
+        description="the federation's label space by class name; a node may hold a subset (default: every "
+        "node must report the same classes)",
+    )
+    server_root: str | None = Field(
+        None,
+        description="the server's own data root (same dataset and layout as a node's): the global model is "
+        "also scored on its test split (central_accuracy, central_loss)",
+    )
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(HOST, PORT)``; ``ValueError`` naming the expected form otherwise."""
+    host, sep, port = address.strip().rpartition(":")
+    if not (sep and host and "/" not in host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError("expected HOST:PORT of a Ray head node, e.g. 10.0.0.5:6379 (no ray:// client URL)")
+    return host.strip("[]"), int(port)
+
+
 class EngineSection(Strict):
     mode: str = Field(
         "auto",
@@ -165,12 +194,23 @@ class EngineSection(Strict):
         "simulation runtime) or flower-deployment (a local Flower SuperLink and engine.nodes SuperNodes on "
         "loopback; see docs/deployment.md); needs the [flower] extra",
     )
-    nodes: int = Field(3, ge=1, description="Flower SuperNodes; client c lives on node c % nodes")
+    nodes: int = Field(
+        3,
+        ge=1,
+        description="Flower SuperNodes; client c lives on node c % nodes (data.source: nodes: on node "
+        "c // data.nodes.clients)",
+    )
     round_timeout: float = Field(
         600.0,
         gt=0,
         description="Flower runtimes: seconds a round (training or evaluation) waits for the nodes' "
         "replies; clients of nodes that did not reply are dropped from the round",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="engine.runtime=flower-simulation: HOST:PORT of an existing Ray cluster's head "
+        "(`ray start --head --port PORT`) whose nodes host the virtual SuperNodes' actors; unset: "
+        "$RAY_ADDRESS if set, else a local Ray instance started for the run (docs/deployment.md)",
     )
 
     on_client_error: Literal["drop_non_finite", "drop", "fail"] = Field(
@@ -181,6 +221,13 @@ class EngineSection(Strict):
         "and resumes from the last committed round). A round with every client dropped is recorded as "
         "skipped. An algorithm's ContractError always fails the round",
     )
+
+    @field_validator("ray_address")
+    @classmethod
+    def _ray_address(cls, v: str | None) -> str | None:
+        if v is not None:
+            host_port(v)
+        return v
 
     @field_validator("device")
     @classmethod

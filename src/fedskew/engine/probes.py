@@ -5,6 +5,10 @@ wrappers (the round transaction is handed the wrapped evaluator; nothing else ch
 2020, §5: "backdoor accuracy"): the share of the global test samples whose label is not the target that
 the global model classifies as the target once the trigger is stamped on them. Logged as
 ``attack_success_rate`` beside the clean accuracy of every evaluated round.
+
+:class:`CentralProbe`: the global model on a test set the server holds, beside metrics that come from
+elsewhere (node-local data: the nodes score their own test sets). Logged as ``central_accuracy`` and
+``central_loss``.
 """
 
 from __future__ import annotations
@@ -47,4 +51,18 @@ class BackdoorProbe:
         )
         primary = next(iter(hits.correct.values()))
         record["attack_success_rate"] = float(primary.double().mean()) if primary.numel() else float("nan")
+        return record
+
+
+class CentralProbe:
+    """``inner``'s record plus ``central_accuracy`` / ``central_loss``: ``evaluator`` (the ``global``
+    protocol on the server's own test set) scoring the global model."""
+
+    def __init__(self, inner: RoundEvaluator, evaluator: Evaluator) -> None:
+        self.inner, self.ev = inner, evaluator
+
+    def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
+        record = self.inner.evaluate(server, state_of, round_idx)
+        central = self.ev.evaluate(server, state_of, round_idx)
+        record.update({f"central_{k}": central[k] for k in ("accuracy", "loss")})
         return record

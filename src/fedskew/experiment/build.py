@@ -58,7 +58,12 @@ def recorded_config(cfg: Config) -> Config:
 
 
 def build_data(cfg: Config) -> FederatedData:
-    """Load the dataset and partition it (a pure function of the config's data section and seed)."""
+    """Load the dataset and partition it (a pure function of the config's data section and seed); with
+    ``data.source: nodes``, every node's own data root as its clients (:mod:`fedskew.experiment.silos`)."""
+    if cfg.data.source == "nodes":
+        from fedskew.experiment.silos import build_node_data
+
+        return build_node_data(cfg)
     loader = DATASETS.get(cfg.data.dataset)
     root = resolve_root(cfg.data.root)
     dataset = loader(root, **cfg.data.options)
@@ -120,11 +125,11 @@ def model_options(cfg: Config) -> Callable[[int | None], dict[str, Any]]:
 
 
 def model_builders(
-    cfg: Config, data: FederatedData
+    cfg: Config, meta: ClientMeta
 ) -> tuple[Callable[[int | None], nn.Module], Callable[[int | None], Hashable]]:
     """``(build_model, arch_key)`` of a run: client ``cid``'s model (``None``: the global one) and a key
     equal for clients of the same architecture. They keep the data's shapes, not the data."""
-    in_shape, num_classes = data.dataset.in_shape, data.dataset.num_classes
+    in_shape, num_classes = meta.in_shape, meta.num_classes
     factory = MODELS.get(cfg.model.name)
     options_for = model_options(cfg)
 
@@ -140,13 +145,19 @@ def model_builders(
 def build_algorithm(cfg: Config, data: FederatedData) -> tuple[Algorithm, ModelCache]:
     """The run's algorithm and model cache on this machine's device (for ``engine.device``), from the
     config and the data's metadata (:func:`fedskew.engine.assembly.construct_algorithm`)."""
+    return algorithm_of(cfg, ClientMeta.of(data))
+
+
+def algorithm_of(cfg: Config, meta: ClientMeta) -> tuple[Algorithm, ModelCache]:
+    """:func:`build_algorithm` from the clients' counts and shapes alone (a server or node that does not
+    hold the federation's data: ``data.source: nodes``)."""
     device = resolve_device(cfg.engine.device)
-    build_model, arch_key = model_builders(cfg, data)
+    build_model, arch_key = model_builders(cfg, meta)
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
-    alg_cls = secured(ALGORITHMS.get(cfg.algorithm.name), security_of(cfg, data.dataset.num_classes))
+    alg_cls = secured(ALGORITHMS.get(cfg.algorithm.name), security_of(cfg, meta.num_classes))
     spec = ModelSpec(build_model, arch_key, device, fmt, cfg.seed)
     params = alg_cls.Params(**cfg.algorithm.hyper())
-    return construct_algorithm(alg_cls, params, ClientMeta.of(data), spec, cfg.client, cfg.rounds, cfg.seed)
+    return construct_algorithm(alg_cls, params, meta, spec, cfg.client, cfg.rounds, cfg.seed)
 
 
 def security_of(cfg: Config, num_classes: int) -> SecurityPlan:
@@ -174,6 +185,19 @@ def probed(cfg: Config, round_evaluator: RoundEvaluator, ev: Evaluator) -> Round
     if cfg.attack.name == "backdoor":
         return BackdoorProbe(round_evaluator, ev, cfg.attack.target, cfg.attack.trigger_size)
     return round_evaluator
+
+
+def central(
+    cfg: Config, inner: RoundEvaluator, algorithm: Algorithm, models: ModelCache, data: FederatedData
+) -> RoundEvaluator:
+    """``inner``, plus the server's own test set scored centrally where node-local data names one
+    (:func:`fedskew.experiment.silos.with_central`)."""
+    if cfg.data.source != "nodes":
+        return inner
+    from fedskew.experiment.silos import with_central
+
+    ds = data.dataset
+    return with_central(cfg, inner, algorithm, models, ds.class_names, ds.in_shape)
 
 
 def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
@@ -217,6 +241,6 @@ def build_simulation(
         server,
         round_plan(cfg, data.num_clients),
         executor=EmbeddedExecutor(rt, e),
-        evaluator=probed(cfg, scorer, scorer),
+        evaluator=central(cfg, probed(cfg, scorer, scorer), algorithm, models, data),
         states=states,
     )

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
+from fedskew.experiment.config_errors import format_validation_error
 from fedskew.registry import check_options
 from fedskew.settings import (
     AttackSection,
@@ -25,6 +26,7 @@ from fedskew.settings import (
     DefenceSection,
     EngineSection,
     EvalSection,
+    NodeDataSection,
     PrivacySection,
     Strict,
 )
@@ -77,6 +79,12 @@ class VisionLanguageConfig(Strict):
 
 class DataConfig(Strict):
     dataset: str = Field("digits", description="dataset registry name (`fedskew list`)")
+    source: Literal["partition", "nodes"] = Field(
+        "partition",
+        description="partition: one dataset split over the clients by data.partition; nodes: every node "
+        "reads its own data root (data.nodes), as data.nodes.clients clients",
+    )
+    nodes: NodeDataSection = Field(default_factory=NodeDataSection, description="node-local data")
     root: str | None = Field(None, description="data root; default $FEDSKEW_DATA, else ~/.cache/fedskew")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset loader options")
     num_clients: int = Field(10, ge=1, description="number of clients")
@@ -220,52 +228,6 @@ class Config(Strict):
 
 
 # ---------------------------------------------------------------------------- parsing and errors
-def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
-    cur: Any = model
-    for part in path[:-1]:
-        field = cur.model_fields.get(part) if isinstance(part, str) else None
-        ann = field.annotation if field is not None else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        cur = ann
-    return list(cur.model_fields)
-
-
-def _description(model: type[BaseModel], path: tuple[str | int, ...]) -> str:
-    cur: Any = model
-    for part in path:
-        field = (
-            cast("type[BaseModel]", cur).model_fields.get(part)  # a model class where the path continues
-            if isinstance(part, str) and isinstance(cur, type)
-            else None
-        )
-        if field is None:
-            return ""
-        cur = field.annotation
-        if part == path[-1]:
-            return field.description or ""
-        args = [a for a in getattr(cur, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
-        cur = args[0] if args else cur
-    return ""
-
-
-def _format_validation_error(err: ValidationError, model: type[BaseModel] = Config) -> str:
-    e = err.errors()[0]
-    loc = tuple(e["loc"])
-    key = ".".join(str(p) for p in loc) or "<root>"
-    if e["type"] == "missing":
-        what = _description(model, loc)
-        return f"config key '{key}' is required{'; expected: ' + what if what else ''}"
-    if e["type"] == "extra_forbidden":
-        allowed = _allowed_keys(model, loc)
-        hint = did_you_mean(str(loc[-1]), allowed)
-        return f"config key '{key}': unknown key{hint}; allowed: {', '.join(allowed)}"
-    msg = e["msg"]
-    if e["type"] == "literal_error":
-        msg = msg.replace("Input should be", "allowed:")
-    return f"config key '{key}': {msg} (got {e.get('input')!r})"
-
-
 def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
     """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (numbers, lists, ...)."""
     if "=" not in assignment:
@@ -347,6 +309,10 @@ def validate_semantics(cfg: Config) -> None:
             "allowed: personalized"
         )
     _check_security(cfg, alg, [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation])
+    if cfg.data.source == "nodes":
+        from fedskew.experiment.silos import check_node_source
+
+        check_node_source(cfg)
 
 
 def _check_security(cfg: Config, alg: Any, eligible: list[str]) -> None:
@@ -420,12 +386,23 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | None 
         raise ConfigError("config must be a mapping of sections (seed, rounds, data, model, algorithm, ...)")
     for assignment in overrides or []:
         set_dotted(data, assignment)
+    _node_clients(data)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, Config)) from None
     validate_semantics(cfg)
     return cfg
+
+
+def _node_clients(raw: dict[str, Any]) -> None:
+    """``data.source: nodes`` without ``data.num_clients``: the federation has engine.nodes x
+    data.nodes.clients clients (the defaults: 3 nodes, 1 client each)."""
+    data, engine = raw.get("data"), raw.get("engine") or {}
+    if isinstance(data, dict) and data.get("source") == "nodes" and "num_clients" not in data:
+        per_node = (data.get("nodes") or {}).get("clients", 1)
+        if isinstance(per_node, int) and isinstance(engine.get("nodes", 3), int):
+            data["num_clients"] = engine.get("nodes", 3) * per_node
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -2,8 +2,8 @@
 
 ``flwr run`` finds them through the app's ``pyproject.toml`` (``fedskew.flower.apps:client_app`` and
 ``fedskew.flower.apps:server_app``, see :mod:`fedskew.flower.launch`). The ``ServerApp`` reads its run
-config: ``config`` (path of a fedskew YAML config, resolved: no ``--set`` here), ``out`` (output folder),
-``resume`` and ``force`` (booleans). The simulation runtime builds its own ``ServerApp`` around an in-memory
+config: ``config`` (the path of a resolved fedskew YAML config, several separated by ``;``, or the YAML text
+of one: :func:`run_config_jobs`), ``out`` (output folder), ``resume`` and ``force`` (booleans). The simulation runtime builds its own ``ServerApp`` around an in-memory
 config with :func:`make_server_app`.
 """
 
@@ -36,7 +36,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
 
 @client_app.query()
 def _query(msg: Message, context: Context) -> Message:
-    return Message(handle_query(context), reply_to=msg)
+    return Message(handle_query(msg.content, context), reply_to=msg)
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,38 @@ server_app = ServerApp()
 
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
-    """``flwr run``'s entry: ``config`` and ``out`` may name several experiments, separated by ``;``, run
-    in turn on the same nodes (a sweep shares the start-up)."""
-    rc = context.run_config
-    configs, outs = str(rc["config"]).split(";"), str(rc["out"]).split(";")
+    """``flwr run``'s entry. Run config: ``config`` names the experiments, ``out`` their output folders (on
+    the SuperLink host), ``resume`` and ``force`` apply to each (see :func:`run_config_jobs`)."""
+    for job in run_config_jobs(context.run_config):
+        _serve(grid, job)
+
+
+def run_config_jobs(rc: dict[str, Any]) -> list[Job]:
+    """The experiments of a run config, run in turn on the same nodes (a sweep shares the start-up).
+
+    ``config`` is either the YAML text of one resolved config (a value holding a line break: what
+    ``fedskew flower-app`` writes, so that no file is needed on the SuperLink host) with ``out`` its output
+    folder, or the paths of YAML config files on the SuperLink host separated by ``;`` with as many
+    ``out`` folders, separated the same way."""
+    config, out = str(rc["config"]), str(rc["out"])
+    resume, force = bool(rc.get("resume", False)), bool(rc.get("force", False))
+    if "\n" in config:
+        return [Job(config_from_text(config), out, resume, force)]
+    configs, outs = config.split(";"), out.split(";")
     if len(configs) != len(outs):
         raise FedskewError(f"run config: {len(configs)} configs but {len(outs)} output folders")
-    resume, force = bool(rc.get("resume", False)), bool(rc.get("force", False))
-    for path, out in zip(configs, outs, strict=True):
-        _serve(grid, Job(load_config(path), out, resume, force))
+    return [Job(load_config(path), o, resume, force) for path, o in zip(configs, outs, strict=True)]
+
+
+def config_from_text(text: str) -> Config:
+    """A config from its YAML text (one-line :class:`ConfigError` on invalid YAML or values)."""
+    import yaml
+
+    from fedskew.errors import ConfigError
+    from fedskew.experiment.config import build_config
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"run config 'config': invalid YAML ({str(err).splitlines()[0]})") from None
+    return build_config(raw)

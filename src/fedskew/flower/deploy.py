@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
+from fedskew.flower.silos import DATA_ROOT_KEY
 from fedskew.flower.versions import STATE_DIR_KEY
 
 if TYPE_CHECKING:
@@ -302,5 +303,7 @@ def run_deployment(cfg: Config, out: str | Path | None, resume: bool, force: boo
         states = target / NODE_STATE_DIR  # kept with the results, so that --resume finds the client states
         if force:
             shutil.rmtree(states, ignore_errors=True)
-        with LocalDeployment(cfg.engine.nodes, state_root=states) as dep:
+        roots = dict(enumerate(cfg.data.nodes.roots)) if cfg.data.source == "nodes" else {}
+        own = {i: {DATA_ROOT_KEY: str(Path(root).expanduser().resolve())} for i, root in roots.items()}
+        with LocalDeployment(cfg.engine.nodes, state_root=states, node_config=own) as dep:
             return dep.run([Job(cfg, target, resume, force)])[0]

@@ -1,14 +1,19 @@
-"""Run a config on a Flower runtime: ``flower-simulation`` (Flower's simulation runtime, in this process)
-or ``flower-deployment`` (a SuperLink and ``engine.nodes`` SuperNodes on loopback, torn down at the end)."""
+"""Run a config on a Flower runtime: ``flower-simulation`` (Flower's simulation runtime, in this process;
+its virtual SuperNodes' actors on a local Ray instance, or on an existing Ray cluster named by
+``engine.ray_address`` or ``$RAY_ADDRESS``) or ``flower-deployment`` (a SuperLink and ``engine.nodes``
+SuperNodes on loopback, torn down at the end)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import Config
 from fedskew.flower import require_flwr
+from fedskew.settings import host_port
 
 if TYPE_CHECKING:
     from fedskew.flower.apps import Job
@@ -43,6 +48,11 @@ def simulate(jobs: list[Job]) -> list[dict[str, Any]]:
     nodes = {job.cfg.engine.nodes for job in jobs}
     if len(nodes) != 1:
         raise ConfigError(f"engine.nodes differs between the simulated jobs ({sorted(nodes)})")
+    addresses = {job.cfg.engine.ray_address for job in jobs}
+    if len(addresses) != 1:
+        raise ConfigError(
+            f"engine.ray_address differs between the simulated jobs ({sorted(map(str, addresses))})"
+        )
     results: list[dict[str, Any]] = []
     flwr.simulation.run_simulation(
         server_app=make_server_app(jobs, results),
@@ -50,7 +60,7 @@ def simulate(jobs: list[Job]) -> list[dict[str, Any]]:
         num_supernodes=nodes.pop(),
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"include_dashboard": False, "log_to_driver": True},
+            "init_args": ray_init_args(addresses.pop()),
         },
     )
     for res in results:
@@ -59,3 +69,34 @@ def simulate(jobs: list[Job]) -> list[dict[str, Any]]:
     if len(results) != len(jobs):
         raise FedskewError("the Flower simulation ended before its ServerApp finished")
     return results
+
+
+def ray_init_args(configured: str | None) -> dict[str, Any]:
+    """The ``ray.init`` arguments Flower's Ray backend is given (``backend_config["init_args"]``): the Ray
+    cluster ``configured`` (``engine.ray_address``), else ``$RAY_ADDRESS``, checked reachable first (Ray
+    itself would retry for a minute and fail inside Flower's runtime thread); with neither, ``"local"``: a
+    Ray instance of this run's own, never a cluster that ``ray start`` left running on this machine."""
+    args: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "address": "local"}
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    source, address = ("engine.ray_address", configured) if configured else ("RAY_ADDRESS", env)
+    if address:
+        check_reachable(source, address)
+        args["address"] = address.strip()
+    return args
+
+
+def check_reachable(source: str, address: str, timeout: float = 5.0) -> None:
+    """A one-line :class:`ConfigError` unless ``address`` (``HOST:PORT``, named by ``source``) accepts a TCP
+    connection within ``timeout`` seconds."""
+    try:
+        host, port = host_port(address)
+    except ValueError as err:
+        raise ConfigError(f"{source}={address!r}: {err}") from None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError(
+            f"{source}={address!r}: no Ray cluster reachable there ({reason}); start its head with "
+            f"`ray start --head --port {port}`, or unset {source} to run on a local Ray instance"
+        ) from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,22 +29,27 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedskew.algorithms.base import Payload, State, load_state
-from fedskew.engine.assembly import client_data
+from fedskew.data.federated import FederatedData
+from fedskew.data.nodes import NodeManifest, spread
+from fedskew.engine.assembly import ClientMeta, client_data
 from fedskew.engine.client import train_client
 from fedskew.engine.device import use_deterministic_algorithms
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
-from fedskew.experiment.build import build_algorithm, build_data
+from fedskew.errors import FedskewError
+from fedskew.experiment.build import algorithm_of, build_data
 from fedskew.experiment.config import Config, build_config
+from fedskew.experiment.silos import load_node, node_manifest
 from fedskew.flower.records import config, get_payload, put_payload, state_from_bytes, state_to_bytes
+from fedskew.flower.silos import DATA_ROOT_KEY, MANIFEST, federation_from, manifest_reply, node_root
 from fedskew.flower.versions import Versions, versions_of
 
 log = logging.getLogger("fedskew.flower")
 
 #: node-config keys: the node's index (Flower's own convention, set by the simulation runtime too), the
 #: number of nodes, and an optional data root overriding the config's ``data.root``
-PARTITION_KEY, NUM_PARTITIONS_KEY, DATA_ROOT_KEY = "partition-id", "num-partitions", "data-root"
+PARTITION_KEY, NUM_PARTITIONS_KEY = "partition-id", "num-partitions"
 
 
 @dataclass
@@ -58,7 +64,9 @@ class Split:
 
 @dataclass
 class NodeRuntime:
-    """A node's fixed part of a run: the client runtime restricted to its clients, and their eval data."""
+    """A node's fixed part of a run: the client runtime restricted to its clients, and their eval data
+    (``whole``: with node-local data, the node's whole test set and its clients' validation samples, what
+    the global protocol scores)."""
 
     cfg: Config
     rt: ClientRuntime
@@ -66,9 +74,10 @@ class NodeRuntime:
     splits: dict[int, Split]
     to_float: Any
     eval_batch: int
+    whole: Split | None = None
 
 
-_CACHE: dict[tuple[str, str, int], NodeRuntime] = {}
+_CACHE: dict[tuple[Any, ...], NodeRuntime] = {}
 
 
 def node_index(context: Context) -> int:
@@ -98,34 +107,61 @@ def timings(started: float, built: float) -> dict[str, float]:
     }
 
 
-def node_runtime(config_text: str, context: Context) -> NodeRuntime:
+def node_runtime(job: Mapping[str, Any], context: Context) -> NodeRuntime:
     """The node's runtime for the run's config (cached per process: a simulation actor serves many)."""
-    return timed_node_runtime(config_text, context)[0]
+    return timed_node_runtime(job, context)[0]
 
 
-def timed_node_runtime(config_text: str, context: Context) -> tuple[NodeRuntime, float]:
-    """:func:`node_runtime` and the seconds spent building it (0 when it was cached)."""
+def node_config_of(config_text: str, root: str) -> Config:
+    """The run's config as this node reads it: a simulated partition's ``data.root`` replaced by the node's
+    own data root (node config ``data-root``), if it has one."""
+    raw = yaml.safe_load(config_text)
+    if root and raw["data"].get("source", "partition") == "partition":
+        raw["data"]["root"] = root
+    return build_config(raw)
+
+
+def timed_node_runtime(job: Mapping[str, Any], context: Context) -> tuple[NodeRuntime, float]:
+    """:func:`node_runtime` of a message's job record (the config, and with node-local data the federation
+    record) and the seconds spent building it (0 when it was cached)."""
     t0 = time.perf_counter()
+    config_text, meta = str(job["config"]), federation_from(job)
     root = str(context.node_config.get(DATA_ROOT_KEY, ""))
-    key = (config_text, root, node_index(context))
+    counts = None if meta is None else tuple(meta.class_counts.flatten().tolist())
+    key = (config_text, root, node_index(context), counts)
     if key not in _CACHE:
         _CACHE.clear()
-        raw = yaml.safe_load(config_text)
-        if root:
-            raw["data"]["root"] = root
-        _CACHE[key] = build_node(build_config(raw), node_index(context))
+        _CACHE[key] = build_node(node_config_of(config_text, root), node_index(context), root, meta)
     return _CACHE[key], time.perf_counter() - t0
 
 
-def build_node(cfg: Config, index: int) -> NodeRuntime:
-    """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``
-    (training samples as stored, normalised when read; evaluation splits of the owned clients only)."""
-    data = build_data(cfg)
+def node_clients(
+    cfg: Config, index: int, root: str, meta: ClientMeta | None
+) -> tuple[FederatedData, ClientMeta, list[int]]:
+    """Node ``index``'s view of the federation, the algorithm's context counts and its clients. A simulated
+    partition is built from the config (every node the same) and the node keeps clients
+    ``c % engine.nodes == index``; node-local data is read from the node's root alone, its clients
+    ``index·k .. index·k + k - 1``, the counts the server sent (``meta``)."""
+    if cfg.data.source == "partition":
+        data = build_data(cfg)
+        owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
+        return data, ClientMeta.of(data), owned
+    if meta is None:
+        raise FedskewError("data.source=nodes: the message carries no federation record")
+    k = cfg.data.nodes.clients
+    local = load_node(cfg, index, node_root(cfg, root, index))
+    owned = list(range(index * k, index * k + k))
+    return spread(local, index * k, meta.num_clients), meta, owned
+
+
+def build_node(cfg: Config, index: int, root: str = "", meta: ClientMeta | None = None) -> NodeRuntime:
+    """The runtime of node ``index``: its clients' samples (training samples as stored, normalised when
+    read; evaluation splits of the owned clients only) and the algorithm (:func:`node_clients`)."""
+    data, meta, owned = node_clients(cfg, index, root, meta)
     if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
         use_deterministic_algorithms()
-    algorithm, models = build_algorithm(cfg, data)  # each node resolves engine.device=auto on its own machine
+    algorithm, models = algorithm_of(cfg, meta)  # each node resolves engine.device=auto on its own machine
     device = models.device
-    owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
     rt = ClientRuntime(
         algorithm, client_data(data, device, owned), models, cfg.client, cfg.seed, cfg.rounds, device,
         cfg.engine.on_client_error, cfg.engine.precision,
@@ -143,7 +179,14 @@ def build_node(cfg: Config, index: int) -> NodeRuntime:
         for c in owned
     }
     batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
-    return NodeRuntime(cfg, rt, owned, splits, normalise, batch)
+    whole = None
+    if cfg.data.source == "nodes":
+        own_val = torch.cat([val[c] for c in owned])
+        whole = Split(
+            ds.x_test.to(device), ds.y_test.to(device),
+            normalise(ds.x_train[own_val]).to(device), ds.y_train[own_val].to(device),
+        )  # fmt: skip
+    return NodeRuntime(cfg, rt, owned, splits, normalise, batch, whole)
 
 
 # ---------------------------------------------------------------------- versioned client states
@@ -184,7 +227,7 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
     """Train the message's clients from their payloads and referenced states; reply with the uploads."""
     started = time.perf_counter()
     job = config(content, "job")
-    node, built = timed_node_runtime(str(job["config"]), context)
+    node, built = timed_node_runtime(job, context)
     r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
     store = versions_of(context, str(job.get("experiment", "")))
@@ -208,11 +251,14 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
 
 
 @torch.no_grad()
-def _stats(node: NodeRuntime, cid: int, payload: Payload, state: State, x: Any, y: Any, conv: Any) -> Any:
-    """``[correct per head..., loss sum]`` (float64) of ``cid``'s model on ``(x, y)``, and the heads."""
+def _stats(
+    node: NodeRuntime, cid: int | None, payload: Payload, state: State | None, x: Any, y: Any, conv: Any
+) -> Any:
+    """``[correct per head..., loss sum]`` (float64) of ``cid``'s model (``None``: the global model) on
+    ``(x, y)``, and the heads."""
     alg = node.rt.algorithm
     model = node.rt.models.model_for(cid)
-    dev_state = tree_to(state, node.rt.device)
+    dev_state = None if state is None else tree_to(state, node.rt.device)
     load_state(model, alg.eval_weights(payload, dev_state))
     if y.numel() == 0:
         return None, []
@@ -222,27 +268,43 @@ def _stats(node: NodeRuntime, cid: int, payload: Payload, state: State, x: Any, 
     return torch.tensor(row, dtype=torch.float64), heads
 
 
+#: what an ``evaluate`` message scores (job ``scope``): ``personal``: each client's own model on its splits;
+#: ``global``: the global model (payload ``p.global``) on each client's splits; ``node``: the global model on
+#: the node's whole test set and its clients' validation samples (the global protocol, node-local data)
+SCOPES = ("personal", "global", "node")
+
+
 def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
-    """Score the message's clients' personal models on their test (and validation) splits; reply with the
-    per-client counts of correct predictions per head and loss sums."""
+    """Score the message's clients' models on their test (and validation) splits, or the global model on the
+    node's (``scope``, :data:`SCOPES`); reply with counts of correct predictions per head and loss sums per
+    client (``test.<cid>``, ``val.<cid>``) or for the node (``test.node``, ``val.node``)."""
     job = config(content, "job")
-    node = node_runtime(str(job["config"]), context)
+    node = node_runtime(job, context)
+    scope = str(job.get("scope", "personal"))
     cids, refs = [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
     store = versions_of(context, str(job.get("experiment", "")))
+    shared = get_payload(content, "p.global", node.rt.device) if scope != "personal" else None
+    targets: list[tuple[str, int | None, Split]] = (
+        [("node", None, node.whole)] if scope == "node" and node.whole is not None
+        else [(str(cid), cid, node.splits[cid]) for cid in cids]
+    )  # fmt: skip
     arrays: dict[str, torch.Tensor] = {}
     heads: list[str] = []
-    for cid, ref in zip(cids, refs, strict=True):
-        payload = get_payload(content, f"p.{cid}", node.rt.device)
-        state = load_version(node, store, cid, ref)
-        sp = node.splits[cid]
+    for name, cid, sp in targets:
+        who: int | None = None
+        payload, state = shared, None  # the global model, as the embedded evaluator scores it
+        if payload is None and cid is not None:  # the client's own model: its payload and its state
+            who, payload = cid, get_payload(content, f"p.{cid}", node.rt.device)
+            state = load_version(node, store, cid, refs[cids.index(cid)])
+        assert payload is not None
         for split, x, y, conv in (
             ("test", sp.x_test, sp.y_test, node.to_float),
             ("val", sp.x_val, sp.y_val, _identity),
         ):
-            row, hs = _stats(node, cid, payload, state, x, y, conv)
+            row, hs = _stats(node, who, payload, state, x, y, conv)
             if row is not None:
-                arrays[f"{split}.{cid}"] = row
+                arrays[f"{split}.{name}"] = row
                 heads = heads or hs
     return RecordDict({"scores": ArrayRecord(arrays), "job": ConfigRecord({"heads": heads})})
 
@@ -251,6 +313,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def handle_query(context: Context) -> RecordDict:
-    """The node's index, so the server can map clients to Flower node ids (they change on restart)."""
-    return RecordDict({"node": ConfigRecord({"index": node_index(context)})})
+def handle_query(content: RecordDict, context: Context) -> RecordDict:
+    """The node's index, so the server can map clients to Flower node ids (they change on restart); asked
+    for its manifest (node-local data), the node loads its own data and describes it."""
+    if "job" not in content or MANIFEST not in config(content, "job"):
+        return RecordDict({"node": ConfigRecord({"index": node_index(context)})})
+    index, root = node_index(context), str(context.node_config.get(DATA_ROOT_KEY, ""))
+
+    def manifest() -> NodeManifest:
+        cfg = node_config_of(str(config(content, "job")["config"]), root)
+        return node_manifest(cfg, index, node_root(cfg, root, index))[0]
+
+    return manifest_reply(manifest)

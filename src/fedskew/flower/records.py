@@ -17,6 +17,14 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedskew.algorithms.base import Payload, State
 
+#: the only entry of a client state the Flower server keeps: the version number of the state on its node
+REF_KEY = "flower.version"
+
+
+def ref_of(state: State) -> int:
+    """The node-side version a server-side client state refers to (0: the initial state)."""
+    return int(state.get(REF_KEY, 0))
+
 
 def put_payload(rd: RecordDict, key: str, payload: Payload) -> None:
     """Store ``payload`` in ``rd`` under ``key.a`` (arrays), ``key.c`` (config) and ``key.m`` (metrics)."""

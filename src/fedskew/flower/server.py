@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,18 +36,22 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedskew.algorithms.base import Algorithm, RoundInfo, State, Upload
+from fedskew.algorithms.base import Algorithm, RoundInfo, Upload
 from fedskew.engine.assembly import initial_server
-from fedskew.engine.evaluation import Evaluator, client_summary
+from fedskew.engine.evaluation import Evaluator
 from fedskew.engine.loop import Simulation
 from fedskew.engine.policy import client_raised, finite_upload
+from fedskew.engine.runtime import ModelCache
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import FedskewError
-from fedskew.experiment.build import build_algorithm, build_data, evaluator, probed, round_plan
+from fedskew.experiment.build import algorithm_of, build_algorithm, build_data, evaluator, probed, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
-from fedskew.flower.records import arrays, config, get_payload, put_payload
+from fedskew.experiment.silos import federation_meta, with_central
+from fedskew.flower.evaluation import FlowerEvaluator
+from fedskew.flower.records import REF_KEY, config, get_payload, put_payload, ref_of
+from fedskew.flower.silos import ask_manifests, federation_record, home_of
 
 log = logging.getLogger("fedskew.flower")
 
@@ -56,14 +59,9 @@ log = logging.getLogger("fedskew.flower")
 LOST = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE}
 #: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
 ROUNDS_FILE = "flower_rounds.jsonl"
-REF_KEY = "flower.version"  # the only entry of a client state the server keeps: the node's version number
 #: the ServerApp's reply polling: from ``POLL_SECONDS[0]``, growing 1.5x per empty poll up to ``[1]``, so a
 #: fast round (the simulation) is seen at once and a slow one (a deployment) costs the SuperLink little CPU
 POLL_SECONDS = (0.01, 0.25)
-
-
-def ref_of(state: State) -> int:
-    return int(state.get(REF_KEY, 0))
 
 
 def wire_bytes(message: Message) -> int:
@@ -138,10 +136,10 @@ class NodeMap:
                 raise FedskewError(f"Flower nodes {missing} did not connect within {self.timeout:.0f} s")
             time.sleep(0.1 if len(self.index) < self.nodes else 0)
 
-    def node_of(self, cid: int) -> int | None:
-        """The online node serving client ``cid`` (None: its node is offline; the client is dropped at
-        once instead of waiting for a reply that cannot come)."""
-        node = self.index.get(cid % self.nodes)
+    def node_of(self, index: int) -> int | None:
+        """The online Flower node id of node ``index`` (None: the node is offline; its clients are dropped
+        at once instead of waiting for a reply that cannot come)."""
+        node = self.index.get(index)
         return node if node in self.online else None
 
 
@@ -164,14 +162,26 @@ class FlowerExecutor:
     name = "flower"
 
     def __init__(
-        self, algorithm: Algorithm, grid: Grid, cfg: Config, device: torch.device, out: Path | None = None
+        self,
+        algorithm: Algorithm,
+        grid: Grid,
+        cfg: Config,
+        device: torch.device,
+        out: Path | None = None,
+        federation: dict[str, Any] | None = None,
     ) -> None:
         self.algorithm, self.cfg, self.device = algorithm, cfg, device
         self.log_path = out / ROUNDS_FILE if out is not None else None
         self.config_text = dump_config(cfg)
         self.experiment = experiment_key(self.config_text, out)
+        self.federation = federation or {}  # node-local data: the counts every message carries
+        self.home = home_of(cfg)
         self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
         self.map.wait_all()
+
+    def ask(self, messages: dict[int, Message]) -> dict[int, Message]:
+        """Push ``messages`` (by Flower node id) and collect the replies within ``engine.round_timeout``."""
+        return exchange(self.map.grid, messages, self.cfg.engine.round_timeout)
 
     def keep_from(self, r: int) -> int:
         """The server's last periodic checkpoint before round ``r`` (what a resume can restart from)."""
@@ -179,7 +189,7 @@ class FlowerExecutor:
         return ((r - 1) // every) * every if every else 0
 
     def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[int, Any]) -> Message:
-        job = {**job, "config": self.config_text, "experiment": self.experiment}
+        job = {**job, "config": self.config_text, "experiment": self.experiment, **self.federation}
         content = RecordDict({"job": ConfigRecord(job)})
         for cid, payload in payloads.items():
             put_payload(content, f"p.{cid}", payload)
@@ -191,7 +201,7 @@ class FlowerExecutor:
         groups: dict[int, list[int]] = {}
         missing = []
         for cid in cids:
-            node = self.map.node_of(cid)
+            node = self.map.node_of(self.home(cid))
             if node is None:
                 missing.append(cid)
             else:
@@ -217,7 +227,7 @@ class FlowerExecutor:
             for node, cids in groups.items()
         }
         t0 = time.perf_counter()
-        replies = exchange(self.map.grid, messages, self.cfg.engine.round_timeout)
+        replies = self.ask(messages)
         self.log_round(job.round, messages, replies, time.perf_counter() - t0)
         outcomes: dict[int, ClientOutcome] = {}
         for node, cids in groups.items():
@@ -277,81 +287,68 @@ class FlowerExecutor:
         pass
 
 
-class FlowerEvaluator:
-    """The embedded evaluator, with personal models scored on the nodes that hold the clients' states."""
+@dataclass
+class ServerParts:
+    """What the ServerApp builds before the first round: the algorithm and models, the evaluator on its own
+    test set (``None``: node-local data), the clients' test / validation sizes, the nodes' test-set sizes
+    and the federation record every message carries (node-local data)."""
 
-    def __init__(
-        self, local: Evaluator, executor: FlowerExecutor, test_sizes: list[int], val_sizes: list[int]
-    ):
-        self.local, self.ex = local, executor
-        self.test_sizes, self.val_sizes = test_sizes, val_sizes
+    algorithm: Algorithm
+    models: ModelCache
+    local: Evaluator | None
+    test_sizes: list[int]
+    val_sizes: list[int]
+    node_tests: list[int] = field(default_factory=list)
+    federation: dict[str, Any] = field(default_factory=dict)
+    classes: list[str] = field(default_factory=list)
+    in_shape: tuple[int, ...] = ()
 
-    def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
-        if self.local.protocol != "personalized" or not self.local.algorithm.personalized_eval:
-            return self.local.evaluate(server, state_of, round_idx)  # one global model: the server scores it
-        alg, seed, ex = self.local.algorithm, self.local.seed, self.ex
-        cids = list(range(len(self.test_sizes)))
-        groups, missing = ex.by_node(cids)
-        if missing:
-            raise FedskewError(f"round {round_idx}: clients {missing} have no online node to evaluate them")
-        messages = {
-            node: ex.message(
-                node,
-                MessageType.EVALUATE,
-                {"round": round_idx, "cids": cs, "refs": [ref_of(state_of(c)) for c in cs]},
-                {c: alg.broadcast(server, RoundInfo(round_idx, c, seed)) for c in cs},
-            )
-            for node, cs in groups.items()
-        }
-        replies = exchange(ex.map.grid, messages, ex.cfg.engine.round_timeout)
-        rows: dict[str, torch.Tensor] = {}
-        heads: list[str] = []
-        for node, cs in groups.items():
-            reply = replies.get(node)
-            if reply is None or reply.has_error():
-                raise FedskewError(f"round {round_idx}: node of clients {cs} did not return its evaluation")
-            rows.update(arrays(reply.content, "scores").to_torch_state_dict())
-            heads = heads or list(config(reply.content, "job")["heads"])
-        out = self.combine(rows, "test", self.test_sizes, heads)
-        if sum(self.val_sizes):
-            val = self.combine(rows, "val", self.val_sizes, heads)
-            out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
-        return out
 
-    @staticmethod
-    def combine(
-        rows: dict[str, torch.Tensor], split: str, sizes: list[int], heads: list[str]
-    ) -> dict[str, Any]:
-        """The nodes' per-client sums reduced as the embedded evaluator reduces its own
-        (:func:`~fedskew.engine.evaluation.client_summary`): a client without samples has no row and is left
-        out of the means."""
-        zero = torch.zeros(len(heads) + 1, dtype=torch.float64)
-        table = torch.stack([rows.get(f"{split}.{c}", zero) for c in range(len(sizes))])
-        correct = {h: table[:, i] for i, h in enumerate(heads)}
-        return client_summary(correct, table[:, -1], torch.tensor(sizes), heads)
+def partition_parts(cfg: Config) -> ServerParts:
+    """A simulated partition: the algorithm and the evaluation data (global test set, validation samples)
+    built from the config. The clients' training samples are read (the partition needs every label) and
+    released before the first round."""
+    data = build_data(cfg)
+    algorithm, models = build_algorithm(cfg, data)
+    test_sizes = [int(t.numel()) for t in data.test_idx]
+    val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
+    return ServerParts(algorithm, models, evaluator(cfg, algorithm, models, data), test_sizes, val_sizes)
+
+
+def node_parts(grid: Grid, cfg: Config) -> ServerParts:
+    """Node-local data: the nodes' manifests, checked against each other before any training, and the
+    algorithm built from their counts alone; the server reads no data."""
+    timeout = cfg.engine.round_timeout
+    nodes = node_map(grid, cfg.engine.nodes, timeout)
+    manifests = ask_manifests(nodes, lambda messages: exchange(grid, messages, timeout), cfg, timeout)
+    meta = federation_meta(manifests)
+    algorithm, models = algorithm_of(cfg, meta)
+    test_sizes = [n for m in manifests for n in m.test_sizes]
+    val_sizes = [n for m in manifests for n in m.val_sizes]
+    tests = [m.test_total for m in manifests]
+    return ServerParts(
+        algorithm, models, None, test_sizes, val_sizes, tests, federation_record(meta),
+        list(manifests[0].classes), meta.in_shape,
+    )  # fmt: skip
 
 
 def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Path | None) -> Simulation:
-    """The ServerApp's round transaction: the algorithm and the evaluation data (global test set,
-    validation samples) built from the config, the clients' counts for the algorithm's context, and the
-    Flower executor, evaluator and state references. The clients' training samples are read (the partition
-    needs every label) and released before the first round."""
-    data = build_data(cfg)
-    algorithm, models = build_algorithm(cfg, data)
-    local = evaluator(cfg, algorithm, models, data)
-    test_sizes = [int(t.numel()) for t in data.test_idx]
-    val_sizes = [int(t.numel()) for t in data.val_idx] or [0] * len(test_sizes)
-    plan = round_plan(cfg, data.num_clients)
-    del data  # from here on the server holds no training sample but the validation ones
+    """The ServerApp's round transaction: the algorithm, the clients' counts for its context, and the
+    Flower executor, evaluator and state references (:func:`partition_parts`, :func:`node_parts`)."""
+    parts = node_parts(grid, cfg) if cfg.data.source == "nodes" else partition_parts(cfg)
+    algorithm, models = parts.algorithm, parts.models
     server = initial_server(algorithm, models, cfg.seed)
-    executor = FlowerExecutor(algorithm, grid, cfg, models.device, out)
+    executor = FlowerExecutor(algorithm, grid, cfg, models.device, out, parts.federation)
     states = SpillingStates(lambda cid: {REF_KEY: 0}, int(cfg.engine.state_memory_mb * 2**20), states_dir)
+    scorer = FlowerEvaluator(parts.local, executor, parts.test_sizes, parts.val_sizes, parts.node_tests)
     return Simulation(
         algorithm,
         server,
-        plan,
+        round_plan(cfg, len(parts.test_sizes)),
         executor=executor,
-        evaluator=probed(cfg, FlowerEvaluator(local, executor, test_sizes, val_sizes), local),
+        evaluator=with_central(cfg, scorer, algorithm, models, parts.classes, parts.in_shape)
+        if parts.local is None
+        else probed(cfg, scorer, parts.local),
         states=states,
     )
 
