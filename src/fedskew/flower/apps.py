@@ -5,37 +5,48 @@
 config: ``config`` (path of a fedskew YAML config, resolved: no ``--set`` here), ``out`` (output folder),
 ``resume`` and ``force`` (booleans). The simulation runtime builds its own ``ServerApp`` around an in-memory
 config with :func:`make_server_app`.
+
+Importing this module imports flwr's app types only: Flower's deployment runtime starts a fresh
+``flwr-clientapp`` process for every message, which imports this module first; the ServerApp's and the
+handlers' own imports (torch, the engine) come with the first message that needs them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.errors import FedskewError
-from fedskew.experiment.config import Config, load_config
-from fedskew.flower.node import handle_evaluate, handle_query, handle_train
+
+if TYPE_CHECKING:
+    from fedskew.experiment.config import Config
 
 client_app = ClientApp()
 
 
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_train
+
     return Message(handle_train(msg.content, context), reply_to=msg)
 
 
 @client_app.evaluate()
 def _evaluate(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_evaluate
+
     return Message(handle_evaluate(msg.content, context), reply_to=msg)
 
 
 @client_app.query()
 def _query(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_query
+
     return Message(handle_query(context), reply_to=msg)
 
 
@@ -84,5 +95,7 @@ def _main(grid: Grid, context: Context) -> None:
     if len(configs) != len(outs):
         raise FedskewError(f"run config: {len(configs)} configs but {len(outs)} output folders")
     resume, force = bool(rc.get("resume", False)), bool(rc.get("force", False))
+    from fedskew.experiment.config import load_config
+
     for path, out in zip(configs, outs, strict=True):
         _serve(grid, Job(load_config(path), out, resume, force))

@@ -28,6 +28,8 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedskew.algorithms.base import Payload, State, load_state
+from fedskew.data.base import resolve_root
+from fedskew.data.federated import FederatedData
 from fedskew.engine.assembly import client_data
 from fedskew.engine.client import train_client
 from fedskew.engine.device import use_deterministic_algorithms
@@ -36,6 +38,7 @@ from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
 from fedskew.experiment.build import build_algorithm, build_data
 from fedskew.experiment.config import Config, build_config
+from fedskew.flower.node_cache import cache_key, node_data
 from fedskew.flower.records import config, get_payload, put_payload, state_from_bytes, state_to_bytes
 from fedskew.flower.versions import Versions, versions_of
 
@@ -44,6 +47,9 @@ log = logging.getLogger("fedskew.flower")
 #: node-config keys: the node's index (Flower's own convention, set by the simulation runtime too), the
 #: number of nodes, and an optional data root overriding the config's ``data.root``
 PARTITION_KEY, NUM_PARTITIONS_KEY, DATA_ROOT_KEY = "partition-id", "num-partitions", "data-root"
+#: node-config key: torch threads of the node's ClientApp (0 or absent: torch's default; a local
+#: deployment gives each of its nodes an equal share of the machine's cores)
+THREADS_KEY = "threads"
 
 
 @dataclass
@@ -104,23 +110,34 @@ def node_runtime(config_text: str, context: Context) -> NodeRuntime:
 
 
 def timed_node_runtime(config_text: str, context: Context) -> tuple[NodeRuntime, float]:
-    """:func:`node_runtime` and the seconds spent building it (0 when it was cached)."""
+    """:func:`node_runtime` and the seconds spent building it (0 when it was cached in this process; a
+    fresh process reads the node's data from its disk cache, :mod:`fedskew.flower.node_cache`)."""
     t0 = time.perf_counter()
-    root = str(context.node_config.get(DATA_ROOT_KEY, ""))
-    key = (config_text, root, node_index(context))
+    threads = int(context.node_config.get(THREADS_KEY, 0))
+    if threads > 0 and torch.get_num_threads() != threads:  # nodes sharing a machine share its cores
+        torch.set_num_threads(threads)
+    root, index = str(context.node_config.get(DATA_ROOT_KEY, "")), node_index(context)
+    key = (config_text, root, index)
     if key not in _CACHE:
         _CACHE.clear()
         raw = yaml.safe_load(config_text)
         if root:
             raw["data"]["root"] = root
-        _CACHE[key] = build_node(build_config(raw), node_index(context))
+        cfg = build_config(raw)
+        data, _ = node_data(
+            lambda: build_data(cfg),
+            lambda d: [c for c in range(d.num_clients) if c % cfg.engine.nodes == index],
+            cache_key(config_text, str(resolve_root(cfg.data.root).resolve()), index),
+        )
+        _CACHE[key] = build_node(cfg, index, data)
     return _CACHE[key], time.perf_counter() - t0
 
 
-def build_node(cfg: Config, index: int) -> NodeRuntime:
-    """Build the partition from the config and keep the samples of clients ``c % engine.nodes == index``
-    (training samples as stored, normalised when read; evaluation splits of the owned clients only)."""
-    data = build_data(cfg)
+def build_node(cfg: Config, index: int, data: FederatedData | None = None) -> NodeRuntime:
+    """Build the partition from the config (or take ``data``) and keep the samples of clients
+    ``c % engine.nodes == index`` (training samples as stored, normalised when read; evaluation splits of
+    the owned clients only)."""
+    data = build_data(cfg) if data is None else data
     if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
         use_deterministic_algorithms()
     algorithm, models = build_algorithm(cfg, data)  # each node resolves engine.device=auto on its own machine
