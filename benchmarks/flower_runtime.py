@@ -13,12 +13,14 @@ Per runtime it reports the wall time of the whole command, the mean round time (
 round's warm-up is left out), the start-up (wall minus the rounds), and from ``flower_rounds.jsonl`` the
 bytes Flower actually serialized per round (each message's distinct objects: Flower stores identical
 arrays of one message once) beside the bytes fedskew accounts (``round_bytes_down`` / ``_up``: one payload
-per client). For the deployment it splits a round: the slowest node's ClientApp process start-up (Flower
-starts one process per message: interpreter, torch, flwr and fedskew imports), its runtime build (data and
-partition, repeated in every process), its training, and the rest (polling and transport).
+per client). For the deployment it splits a round (medians over rounds 2..): on the node whose ClientApp
+process ran longest, the process's start-up (Flower starts one process per message: interpreter, flwr,
+torch and fedskew imports), its runtime build (0.0x s when the node's data comes from its disk cache), its
+training, and the rest of the exchange (Flower's polls and transport).
 
     python benchmarks/flower_runtime.py            # 4 rounds per run
     python benchmarks/flower_runtime.py --quick    # 2 rounds, many-clients only
+    python benchmarks/flower_runtime.py --rounds 3 --cases W1-like --runtimes embedded flower-deployment
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import yaml
 
 HERE = Path(__file__).parent
 RUNTIMES = ("embedded", "flower-simulation", "flower-deployment")
+JSON_HELP = "results file (default: results/flower_runtime[_quick].json for a full or --quick run, else none)"
 
 
 def case_config(name: str, rounds: int) -> dict[str, Any]:
@@ -97,6 +100,7 @@ def run_case(cfg: dict[str, Any], runtime: str, folder: Path) -> dict[str, Any]:
         "runtime": runtime,
         "wall_s": wall,
         "round_s": statistics.mean(r["seconds"] for r in later),
+        "round_median_s": statistics.median(r["seconds"] for r in later),
         "startup_s": wall - sum(r["seconds"] for r in records),
         "accuracy": records[-1]["accuracy"],
         "accounted_down": statistics.mean(r["round_bytes_down"] for r in records),
@@ -113,20 +117,23 @@ def run_case(cfg: dict[str, Any], runtime: str, folder: Path) -> dict[str, Any]:
 
 
 def round_split(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Mean seconds per round of: ClientApp process start-up, runtime build, training, the rest of the
-    exchange (polling, transport, the server's message handling), from the slowest node's figures."""
-    if any(r.get("node_seconds_process") is None for r in rows):
+    """Median seconds per round of: the exchange (push to last reply), and within it, on the node whose
+    ClientApp process ran longest: the process's start-up (interpreter, flwr, torch and fedskew imports, the
+    message's transfer), its runtime build or load, its training, and the rest (Flower's polls and
+    transport, the server's message handling)."""
+    if not rows or any(r.get("node_seconds_process") is None for r in rows):
         return None
 
-    def mean(f: Any) -> float:
-        return statistics.mean(f(r) for r in rows)
+    def median(f: Any) -> float:
+        return statistics.median(f(r) for r in rows)
 
-    startup = mean(lambda r: max(0.0, r["node_seconds_process"] - r["node_seconds_handler"]))
-    build = mean(lambda r: r["node_seconds_build"])
-    train = mean(lambda r: r["node_seconds_handler"] - r["node_seconds_build"])
-    exchange = mean(lambda r: r["seconds_exchange"])
-    return {"exchange": exchange, "startup": startup, "build": build, "train": train,
-            "rest": max(0.0, exchange - startup - build - train)}  # fmt: skip
+    return {
+        "exchange": median(lambda r: r["seconds_exchange"]),
+        "startup": median(lambda r: max(0.0, r["node_seconds_process"] - r["node_seconds_handler"])),
+        "build": median(lambda r: r["node_seconds_build"]),
+        "train": median(lambda r: r["node_seconds_handler"] - r["node_seconds_build"]),
+        "rest": median(lambda r: max(0.0, r["seconds_exchange"] - r["node_seconds_process"])),
+    }
 
 
 def kib(n: float | None) -> str:
@@ -134,24 +141,31 @@ def kib(n: float | None) -> str:
 
 
 def print_table(case: str, rows: list[dict[str, Any]]) -> None:
-    base = rows[0]["round_s"]
+    base = next((r["round_s"] for r in rows if r["runtime"] == "embedded"), None)
     print(f"\n{case}")
     head = (
-        f"{'runtime':<18} {'wall s':>7} {'start-up s':>10} {'s/round':>8} {'x embedded':>10} "
+        f"{'runtime':<18} {'wall s':>7} {'start-up s':>10} {'s/round':>8} {'median':>7} {'x embedded':>10} "
         f"{'acc %':>6} {'KiB down':>9} {'wire down':>9} {'KiB up':>8} {'wire up':>8}"
     )
     print(head)
     for r in rows:
+        ratio = "-" if base is None else f"{r['round_s'] / base:.1f}"
         print(
             f"{r['runtime']:<18} {r['wall_s']:>7.1f} {r['startup_s']:>10.1f} {r['round_s']:>8.2f} "
-            f"{r['round_s'] / base:>10.1f} {100 * r['accuracy']:>6.2f} {kib(r['accounted_down']):>9} "
-            f"{kib(r.get('wire_down')):>9} {kib(r['accounted_up']):>8} {kib(r.get('wire_up')):>8}"
+            f"{r['round_median_s']:>7.2f} {ratio:>10} {100 * r['accuracy']:>6.2f} "
+            f"{kib(r['accounted_down']):>9} {kib(r.get('wire_down')):>9} {kib(r['accounted_up']):>8} "
+            f"{kib(r.get('wire_up')):>8}"
         )
-    for r in rows:
-        split = r.get("split")
-        if split:
-            parts = ", ".join(f"{k} {v:.2f} s" for k, v in split.items())
-            print(f"  {r['runtime']} round ({r['messages']:.1f} messages): {parts}")
+    split = [r for r in rows if r.get("split")]
+    if split:
+        print("  where a deployment round goes (median s, the ClientApp process that ran longest):")
+        print(f"  {'messages':>10} {'exchange':>9} {'start-up':>9} {'build':>7} {'train':>7} {'rest':>7}")
+        for r in split:
+            v = r["split"]
+            print(
+                f"  {r['messages']:>10.1f} {v['exchange']:>9.2f} {v['startup']:>9.2f} {v['build']:>7.2f} "
+                f"{v['train']:>7.2f} {v['rest']:>7.2f}"
+            )
 
 
 def main() -> int:
@@ -160,6 +174,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--cases", nargs="+", default=None, choices=["W1-like", "many-clients"])
     ap.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
+    ap.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     args = ap.parse_args()
     try:
         import flwr  # noqa: F401
@@ -177,8 +192,11 @@ def main() -> int:
             rows = [run_case(cfg, rt, folder) for rt in args.runtimes]
             results["cases"][case] = {"config": cfg, "rows": rows}
             print_table(case, rows)
+    full = args.cases is None and args.rounds is None and list(args.runtimes) == list(RUNTIMES)
     name = "flower_runtime_quick.json" if args.quick else "flower_runtime.json"
-    (HERE / "results" / name).write_text(json.dumps(results, indent=1))
+    path = args.json or (HERE / "results" / name if full else None)
+    if path is not None:
+        path.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -3,39 +3,50 @@
 ``flwr run`` finds them through the app's ``pyproject.toml`` (``fedskew.flower.apps:client_app`` and
 ``fedskew.flower.apps:server_app``, see :mod:`fedskew.flower.launch`). The ``ServerApp`` reads its run
 config: ``config`` (the path of a resolved fedskew YAML config, several separated by ``;``, or the YAML text
-of one: :func:`run_config_jobs`), ``out`` (output folder), ``resume`` and ``force`` (booleans). The simulation runtime builds its own ``ServerApp`` around an in-memory
-config with :func:`make_server_app`.
+of one: :func:`run_config_jobs`), ``out`` (output folder), ``resume`` and ``force`` (booleans). The
+simulation runtime builds its own ``ServerApp`` around an in-memory config with :func:`make_server_app`.
+
+Importing this module imports flwr's app types only: Flower's deployment runtime starts a fresh
+``flwr-clientapp`` process for every message, which imports this module first; the ServerApp's and the
+handlers' own imports (torch, the engine) come with the first message that needs them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.errors import FedskewError
-from fedskew.experiment.config import Config, load_config
-from fedskew.flower.node import handle_evaluate, handle_query, handle_train
+
+if TYPE_CHECKING:
+    from fedskew.experiment.config import Config
 
 client_app = ClientApp()
 
 
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_train
+
     return Message(handle_train(msg.content, context), reply_to=msg)
 
 
 @client_app.evaluate()
 def _evaluate(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_evaluate
+
     return Message(handle_evaluate(msg.content, context), reply_to=msg)
 
 
 @client_app.query()
 def _query(msg: Message, context: Context) -> Message:
+    from fedskew.flower.node import handle_query
+
     return Message(handle_query(msg.content, context), reply_to=msg)
 
 
@@ -97,6 +108,8 @@ def run_config_jobs(rc: dict[str, Any]) -> list[Job]:
     configs, outs = config.split(";"), out.split(";")
     if len(configs) != len(outs):
         raise FedskewError(f"run config: {len(configs)} configs but {len(outs)} output folders")
+    from fedskew.experiment.config import load_config
+
     return [Job(load_config(path), o, resume, force) for path, o in zip(configs, outs, strict=True)]
 
 

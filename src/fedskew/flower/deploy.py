@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
+from fedskew.flower.node import THREADS_KEY
 from fedskew.flower.silos import DATA_ROOT_KEY
 from fedskew.flower.versions import STATE_DIR_KEY
 
@@ -42,6 +43,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def node_threads(nodes: int) -> int:
+    """Torch threads per node when ``nodes`` nodes share this machine: an equal share of the cores this
+    process may run on (at least one), so that nodes training at once do not oversubscribe them."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, nodes))
 
 
 def _bin(name: str) -> str:
@@ -77,7 +88,8 @@ def deployment_pids(home: Path) -> list[int]:
 class LocalDeployment:
     """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` experiments on it.
 
-    ``node_config``: extra node-config values per node index (e.g. ``data-root``). ``tls``: serve over TLS
+    ``node_config``: extra node-config values per node index (e.g. ``data-root``; ``threads`` overrides the
+    default share of the cores, :func:`node_threads`). ``tls``: serve over TLS
     (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
     authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
     in ``registered`` are registered with ``flwr supernode register``. ``state_root``: where node ``i`` keeps
@@ -119,6 +131,7 @@ class LocalDeployment:
             "partition-id": str(index),
             "num-partitions": str(self.nodes),
             STATE_DIR_KEY: str((self.state_root or self.home / "node-state") / str(index)),
+            THREADS_KEY: str(node_threads(self.nodes)),
             **self.node_config.get(index, {}),
         }
         pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())

@@ -29,6 +29,7 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedskew.algorithms.base import Payload, State, load_state
+from fedskew.data.base import resolve_root
 from fedskew.data.federated import FederatedData
 from fedskew.data.nodes import NodeManifest, spread
 from fedskew.engine.assembly import ClientMeta, client_data
@@ -41,6 +42,7 @@ from fedskew.errors import FedskewError
 from fedskew.experiment.build import algorithm_of, build_data
 from fedskew.experiment.config import Config, build_config
 from fedskew.experiment.silos import load_node, node_manifest
+from fedskew.flower.node_cache import cache_key, node_data
 from fedskew.flower.records import config, get_payload, put_payload, state_from_bytes, state_to_bytes
 from fedskew.flower.silos import DATA_ROOT_KEY, MANIFEST, federation_from, manifest_reply, node_root
 from fedskew.flower.versions import Versions, versions_of
@@ -50,6 +52,9 @@ log = logging.getLogger("fedskew.flower")
 #: node-config keys: the node's index (Flower's own convention, set by the simulation runtime too), the
 #: number of nodes, and an optional data root overriding the config's ``data.root``
 PARTITION_KEY, NUM_PARTITIONS_KEY = "partition-id", "num-partitions"
+#: node-config key: torch threads of the node's ClientApp (0 or absent: torch's default; a local
+#: deployment gives each of its nodes an equal share of the machine's cores)
+THREADS_KEY = "threads"
 
 
 @dataclass
@@ -123,29 +128,47 @@ def node_config_of(config_text: str, root: str) -> Config:
 
 def timed_node_runtime(job: Mapping[str, Any], context: Context) -> tuple[NodeRuntime, float]:
     """:func:`node_runtime` of a message's job record (the config, and with node-local data the federation
-    record) and the seconds spent building it (0 when it was cached)."""
+    record) and the seconds spent building it (0 when it was cached in this process; a fresh process reads
+    a simulated partition's node data from its disk cache, :mod:`fedskew.flower.node_cache`; node-local
+    image folders come from the loader's own decoded-image cache)."""
     t0 = time.perf_counter()
+    threads = int(context.node_config.get(THREADS_KEY, 0))
+    if threads > 0 and torch.get_num_threads() != threads:  # nodes sharing a machine share its cores
+        torch.set_num_threads(threads)
     config_text, meta = str(job["config"]), federation_from(job)
-    root = str(context.node_config.get(DATA_ROOT_KEY, ""))
+    root, index = str(context.node_config.get(DATA_ROOT_KEY, "")), node_index(context)
     counts = None if meta is None else tuple(meta.class_counts.flatten().tolist())
-    key = (config_text, root, node_index(context), counts)
+    key = (config_text, root, index, counts)
     if key not in _CACHE:
         _CACHE.clear()
-        _CACHE[key] = build_node(node_config_of(config_text, root), node_index(context), root, meta)
+        cfg = node_config_of(config_text, root)
+        data = None
+        if cfg.data.source == "partition":  # a fresh process reads it from the node's disk cache
+            data, _ = node_data(
+                lambda: build_data(cfg),
+                lambda d: round_robin(d.num_clients, cfg.engine.nodes, index),
+                cache_key(config_text, str(resolve_root(cfg.data.root).resolve()), index),
+            )
+        _CACHE[key] = build_node(cfg, index, root, meta, data)
     return _CACHE[key], time.perf_counter() - t0
 
 
+def round_robin(num_clients: int, nodes: int, index: int) -> list[int]:
+    """A simulated partition's clients on node ``index``: ``c % nodes == index``."""
+    return [c for c in range(num_clients) if c % nodes == index]
+
+
 def node_clients(
-    cfg: Config, index: int, root: str, meta: ClientMeta | None
+    cfg: Config, index: int, root: str, meta: ClientMeta | None, data: FederatedData | None = None
 ) -> tuple[FederatedData, ClientMeta, list[int]]:
     """Node ``index``'s view of the federation, the algorithm's context counts and its clients. A simulated
     partition is built from the config (every node the same) and the node keeps clients
     ``c % engine.nodes == index``; node-local data is read from the node's root alone, its clients
-    ``index·k .. index·k + k - 1``, the counts the server sent (``meta``)."""
+    ``index·k .. index·k + k - 1``, the counts the server sent (``meta``). ``data``: the simulated
+    partition, already built (or read from the node's cache)."""
     if cfg.data.source == "partition":
-        data = build_data(cfg)
-        owned = [c for c in range(data.num_clients) if c % cfg.engine.nodes == index]
-        return data, ClientMeta.of(data), owned
+        data = build_data(cfg) if data is None else data
+        return data, ClientMeta.of(data), round_robin(data.num_clients, cfg.engine.nodes, index)
     if meta is None:
         raise FedskewError("data.source=nodes: the message carries no federation record")
     k = cfg.data.nodes.clients
@@ -154,10 +177,16 @@ def node_clients(
     return spread(local, index * k, meta.num_clients), meta, owned
 
 
-def build_node(cfg: Config, index: int, root: str = "", meta: ClientMeta | None = None) -> NodeRuntime:
+def build_node(
+    cfg: Config,
+    index: int,
+    root: str = "",
+    meta: ClientMeta | None = None,
+    data: FederatedData | None = None,
+) -> NodeRuntime:
     """The runtime of node ``index``: its clients' samples (training samples as stored, normalised when
     read; evaluation splits of the owned clients only) and the algorithm (:func:`node_clients`)."""
-    data, meta, owned = node_clients(cfg, index, root, meta)
+    data, meta, owned = node_clients(cfg, index, root, meta, data)
     if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
         use_deterministic_algorithms()
     algorithm, models = algorithm_of(cfg, meta)  # each node resolves engine.device=auto on its own machine

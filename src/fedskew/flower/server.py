@@ -61,7 +61,7 @@ LOST = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, Erro
 ROUNDS_FILE = "flower_rounds.jsonl"
 #: the ServerApp's reply polling: from ``POLL_SECONDS[0]``, growing 1.5x per empty poll up to ``[1]``, so a
 #: fast round (the simulation) is seen at once and a slow one (a deployment) costs the SuperLink little CPU
-POLL_SECONDS = (0.01, 0.25)
+POLL_SECONDS = (0.01, 0.1)
 
 
 def wire_bytes(message: Message) -> int:
@@ -240,11 +240,15 @@ class FlowerExecutor:
         self, r: int, messages: dict[int, Message], replies: dict[int, Message], seconds: float
     ) -> None:
         """Append round ``r``'s transport figures to ``flower_rounds.jsonl``: messages, wire bytes each way,
-        the exchange's wall time and, over the replying nodes, the slowest ClientApp process's age, runtime
-        build and handler time (see :func:`fedskew.flower.node.timings`)."""
+        the exchange's wall time and, of the replying node whose ClientApp process ran longest, that
+        process's age, runtime build and handler time (see :func:`fedskew.flower.node.timings`)."""
         if self.log_path is None:
             return
-        ok = [m for m in replies.values() if m.has_content() and "job" in m.content]
+        keys = ("seconds_process", "seconds_build", "seconds_handler")
+        answered = [m for m in replies.values() if m.has_content() and "job" in m.content]
+        figures = [config(m.content, "job") for m in answered]
+        figures = [f for f in figures if all(k in f and not math.isnan(float(f[k])) for k in keys)]
+        slowest = max(figures, key=lambda f: float(f["seconds_process"]), default=None)
         row: dict[str, Any] = {
             "round": r,
             "messages": len(messages),
@@ -252,10 +256,8 @@ class FlowerExecutor:
             "wire_bytes_down": sum(wire_bytes(m) for m in messages.values()),
             "wire_bytes_up": sum(wire_bytes(m) for m in replies.values()),
             "seconds_exchange": seconds,
+            **{f"node_{k}": None if slowest is None else float(slowest[k]) for k in keys},
         }
-        for key in ("seconds_process", "seconds_build", "seconds_handler"):
-            values = [float(config(m.content, "job")[key]) for m in ok if key in config(m.content, "job")]
-            row[f"node_{key}"] = max(values) if values and not any(map(math.isnan, values)) else None
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
