@@ -28,6 +28,7 @@ from fedskew.experiment.config import Config, dump_config
 from fedskew.flower.node import THREADS_KEY
 from fedskew.flower.silos import DATA_ROOT_KEY
 from fedskew.flower.versions import STATE_DIR_KEY
+from fedskew.flower.warm import SOCKET_ENV
 
 if TYPE_CHECKING:
     from fedskew.flower.apps import Job
@@ -37,6 +38,8 @@ APP_DIR = Path(__file__).parent / "app"
 START_SECONDS = 60.0
 #: the folder of an output folder where a local deployment's nodes keep their clients' states
 NODE_STATE_DIR = "node-state"
+#: the warm launcher's socket and shim folder, in the deployment's folder
+WARM_SOCKET, WARM_BIN = "warm.sock", "warm-bin"
 
 
 def free_port() -> int:
@@ -93,7 +96,9 @@ class LocalDeployment:
     (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
     authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
     in ``registered`` are registered with ``flwr supernode register``. ``state_root``: where node ``i`` keeps
-    its clients' states (``state_root/i``; default: in the temporary folder, gone at the end)."""
+    its clients' states (``state_root/i``; default: in the temporary folder, gone at the end). ``warm``:
+    the SuperNodes' ClientApp processes are forked from one process that has imported Flower's ClientApp
+    runtime, torch and fedskew already (:mod:`fedskew.flower.warm`), instead of each importing them."""
 
     nodes: int
     tls: Tls | None = None
@@ -104,6 +109,7 @@ class LocalDeployment:
     state_root: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
+    warm: bool = True
 
     # ------------------------------------------------------------------ processes
     def env(self) -> dict[str, str]:
@@ -111,7 +117,28 @@ class LocalDeployment:
         env = dict(os.environ, FLWR_HOME=str(self.home), PYTHONUNBUFFERED="1")
         env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        if self.warm:  # the SuperExecs find the warm flwr-clientapp shim first
+            env["PATH"] = f"{self.home / WARM_BIN}{os.pathsep}{env['PATH']}"
+            env[SOCKET_ENV] = str(self.home / WARM_SOCKET)
         return env
+
+    def start_warm(self) -> None:
+        """Start the zygote the ClientApp processes are forked from; wait until it listens."""
+        proc = self.spawn(
+            "warm",
+            [
+                sys.executable,
+                "-m",
+                "fedskew.flower.warm",
+                str(self.home / WARM_SOCKET),
+                str(self.home / WARM_BIN),
+            ],
+        )
+        end = time.monotonic() + START_SECONDS
+        while not (self.home / WARM_SOCKET).exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise FedskewError(f"the warm ClientApp launcher did not start: {self.tail('warm')}")
+            time.sleep(0.05)
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.home / f"{name}.log", "ab")  # noqa: SIM115 (owned by the process)
@@ -173,6 +200,8 @@ class LocalDeployment:
         if self.node_keys:
             args.append("--enable-supernode-auth")
         self.spawn("superlink", args)
+        if self.warm:
+            self.start_warm()
         self.wait_port()
         for public in self.registered:
             self.flwr(["supernode", "register", str(public), "local"])
