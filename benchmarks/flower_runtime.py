@@ -13,10 +13,12 @@ Per runtime it reports the wall time of the whole command, the mean round time (
 round's warm-up is left out), the start-up (wall minus the rounds), and from ``flower_rounds.jsonl`` the
 bytes Flower actually serialized per round (each message's distinct objects: Flower stores identical
 arrays of one message once) beside the bytes fedskew accounts (``round_bytes_down`` / ``_up``: one payload
-per client). For the deployment it splits a round (medians over rounds 2..): on the node whose ClientApp
-process ran longest, the process's start-up (Flower starts one process per message: interpreter, flwr,
-torch and fedskew imports), its runtime build (0.0x s when the node's data comes from its disk cache), its
-training, and the rest of the exchange (Flower's polls and transport).
+per client). For the deployment it splits a round (medians over rounds 2..), for the node whose reply came
+last: the wait from the server's push to its ClientApp process's start (the SuperNode's 3 s idle poll, the
+process launch), the process's start-up (Flower starts one process per message; with fedskew's warm
+launcher a fork of a process that imported flwr, torch and fedskew already; plus the message's transfer),
+its runtime build (0.0x s when the node's data comes from its disk cache), its training, and the way back
+(serialisation, the SuperNode's 0.5 s reply check, transport to the ServerApp).
 
     python benchmarks/flower_runtime.py            # 4 rounds per run
     python benchmarks/flower_runtime.py --quick    # 2 rounds, many-clients only
@@ -117,23 +119,29 @@ def run_case(cfg: dict[str, Any], runtime: str, folder: Path) -> dict[str, Any]:
 
 
 def round_split(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Median seconds per round of: the exchange (push to last reply), and within it, on the node whose
-    ClientApp process ran longest: the process's start-up (interpreter, flwr, torch and fedskew imports, the
-    message's transfer), its runtime build or load, its training, and the rest (Flower's polls and
-    transport, the server's message handling)."""
+    """Median seconds per round of: the exchange (push to last reply), and within it, for the node whose
+    reply came last: the wait from the push to its ClientApp process's start (the SuperNode's idle poll,
+    the SuperExec's task poll, the process launch), the process's start-up (imports, or the warm fork, and
+    the message's transfer), its runtime build or load, its training, and the way back (serialisation, the
+    SuperNode's hand-over, transport to the ServerApp)."""
     if not rows or any(r.get("node_seconds_process") is None for r in rows):
         return None
 
     def median(f: Any) -> float:
         return statistics.median(f(r) for r in rows)
 
-    return {
+    split = {
         "exchange": median(lambda r: r["seconds_exchange"]),
         "startup": median(lambda r: max(0.0, r["node_seconds_process"] - r["node_seconds_handler"])),
         "build": median(lambda r: r["node_seconds_build"]),
         "train": median(lambda r: r["node_seconds_handler"] - r["node_seconds_build"]),
-        "rest": median(lambda r: max(0.0, r["seconds_exchange"] - r["node_seconds_process"])),
     }
+    if all("node_seconds_waiting" in r for r in rows):
+        split["waiting"] = median(lambda r: r["node_seconds_waiting"])
+        split["returning"] = median(lambda r: r["node_seconds_returning"])
+    else:  # rounds logged before the way there and back were timed
+        split["rest"] = median(lambda r: max(0.0, r["seconds_exchange"] - r["node_seconds_process"]))
+    return split
 
 
 def kib(n: float | None) -> str:
@@ -158,14 +166,11 @@ def print_table(case: str, rows: list[dict[str, Any]]) -> None:
         )
     split = [r for r in rows if r.get("split")]
     if split:
-        print("  where a deployment round goes (median s, the ClientApp process that ran longest):")
-        print(f"  {'messages':>10} {'exchange':>9} {'start-up':>9} {'build':>7} {'train':>7} {'rest':>7}")
+        print("  where a deployment round goes (median s, the node whose reply came last):")
         for r in split:
             v = r["split"]
-            print(
-                f"  {r['messages']:>10.1f} {v['exchange']:>9.2f} {v['startup']:>9.2f} {v['build']:>7.2f} "
-                f"{v['train']:>7.2f} {v['rest']:>7.2f}"
-            )
+            print(f"  {'messages':>10} " + " ".join(f"{k:>9}" for k in v))
+            print(f"  {r['messages']:>10.1f} " + " ".join(f"{x:>9.2f}" for x in v.values()))
 
 
 def main() -> int:

@@ -104,11 +104,13 @@ def process_age() -> float:
 
 def timings(started: float, built: float) -> dict[str, float]:
     """The reply's ``seconds_*`` entries: process age, runtime build (0 when cached) and the handler's own
-    time, all measured at the end of the handler that began at ``started``."""
+    time, all measured at the end of the handler that began at ``started``, and that end's wall-clock time
+    (``time_replied``: the server times the way there and back around it)."""
     return {
         "seconds_process": process_age(),
         "seconds_build": built,
         "seconds_handler": time.perf_counter() - started,
+        "time_replied": time.time(),
     }
 
 

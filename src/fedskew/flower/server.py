@@ -70,12 +70,25 @@ def wire_bytes(message: Message) -> int:
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
-def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[int, Message]:
-    """Push ``messages`` (by node id), pull replies until all arrived or ``timeout`` seconds passed."""
+@dataclass
+class Timeline:
+    """When an exchange's messages were pushed and each node's reply pulled (``time.time()`` seconds)."""
+
+    pushed: float = 0.0
+    arrived: dict[int, float] = field(default_factory=dict)
+
+
+def exchange(
+    grid: Grid, messages: dict[int, Message], timeout: float, timeline: Timeline | None = None
+) -> dict[int, Message]:
+    """Push ``messages`` (by node id), pull replies until all arrived or ``timeout`` seconds passed (their
+    times noted in ``timeline``)."""
     if not messages:
         return {}
     nodes = list(messages)
     ids = list(grid.push_messages([messages[n] for n in nodes]))
+    timeline = timeline if timeline is not None else Timeline()
+    timeline.pushed = time.time()
     pending = dict(zip(ids, nodes, strict=True))
     replies: dict[int, Message] = {}
     end, delay = time.monotonic() + timeout, POLL_SECONDS[0]
@@ -85,6 +98,7 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout: float) -> dict[i
             node = pending.pop(reply.metadata.reply_to_message_id, None)
             if node is not None:
                 replies[node] = reply
+                timeline.arrived[node] = time.time()
                 arrived += 1
         delay = POLL_SECONDS[0] if arrived else min(delay * 1.5, POLL_SECONDS[1])
         if pending:
@@ -179,9 +193,9 @@ class FlowerExecutor:
         self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
         self.map.wait_all()
 
-    def ask(self, messages: dict[int, Message]) -> dict[int, Message]:
+    def ask(self, messages: dict[int, Message], timeline: Timeline | None = None) -> dict[int, Message]:
         """Push ``messages`` (by Flower node id) and collect the replies within ``engine.round_timeout``."""
-        return exchange(self.map.grid, messages, self.cfg.engine.round_timeout)
+        return exchange(self.map.grid, messages, self.cfg.engine.round_timeout, timeline)
 
     def keep_from(self, r: int) -> int:
         """The server's last periodic checkpoint before round ``r`` (what a resume can restart from)."""
@@ -226,9 +240,9 @@ class FlowerExecutor:
             )
             for node, cids in groups.items()
         }
-        t0 = time.perf_counter()
-        replies = self.ask(messages)
-        self.log_round(job.round, messages, replies, time.perf_counter() - t0)
+        t0, timeline = time.perf_counter(), Timeline()
+        replies = self.ask(messages, timeline)
+        self.log_round(job.round, messages, replies, time.perf_counter() - t0, timeline)
         outcomes: dict[int, ClientOutcome] = {}
         for node, cids in groups.items():
             outcomes.update(self.outcomes(job.round, cids, payloads, replies.get(node)))
@@ -237,18 +251,32 @@ class FlowerExecutor:
         return [outcomes[c] for c in job.cids]
 
     def log_round(
-        self, r: int, messages: dict[int, Message], replies: dict[int, Message], seconds: float
+        self,
+        r: int,
+        messages: dict[int, Message],
+        replies: dict[int, Message],
+        seconds: float,
+        timeline: Timeline,
     ) -> None:
         """Append round ``r``'s transport figures to ``flower_rounds.jsonl``: messages, wire bytes each way,
-        the exchange's wall time and, of the replying node whose ClientApp process ran longest, that
-        process's age, runtime build and handler time (see :func:`fedskew.flower.node.timings`)."""
+        the exchange's wall time and, of the node whose reply came last, its ClientApp process's age,
+        runtime build and handler time (see :func:`fedskew.flower.node.timings`), the wait from the push to
+        that process's start (``node_seconds_waiting``: the SuperNode's poll and the process launch) and
+        from its handler's end to the reply's arrival (``node_seconds_returning``: serialisation, the
+        SuperNode's hand-over, transport)."""
         if self.log_path is None:
             return
         keys = ("seconds_process", "seconds_build", "seconds_handler")
-        answered = [m for m in replies.values() if m.has_content() and "job" in m.content]
-        figures = [config(m.content, "job") for m in answered]
-        figures = [f for f in figures if all(k in f and not math.isnan(float(f[k])) for k in keys)]
-        slowest = max(figures, key=lambda f: float(f["seconds_process"]), default=None)
+        figures = {
+            node: config(m.content, "job")
+            for node, m in replies.items()
+            if m.has_content() and "job" in m.content
+        }
+        usable = {
+            n: f for n, f in figures.items() if all(k in f and not math.isnan(float(f[k])) for k in keys)
+        }
+        last = max(usable, key=lambda n: timeline.arrived.get(n, 0.0), default=None)
+        slowest = usable.get(last) if last is not None else None
         row: dict[str, Any] = {
             "round": r,
             "messages": len(messages),
@@ -258,6 +286,10 @@ class FlowerExecutor:
             "seconds_exchange": seconds,
             **{f"node_{k}": None if slowest is None else float(slowest[k]) for k in keys},
         }
+        if slowest is not None and last is not None and "time_replied" in slowest:
+            started = float(slowest["time_replied"]) - float(slowest["seconds_process"])
+            row["node_seconds_waiting"] = started - timeline.pushed
+            row["node_seconds_returning"] = timeline.arrived[last] - float(slowest["time_replied"])
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
