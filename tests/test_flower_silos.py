@@ -23,7 +23,7 @@ from fedskew.experiment.config import build_config
 from fedskew.flower.server import serve
 from tests.flower_loopback import LoopbackGrid
 from tests.silo_folders import LABELS, MIXES, write_silos
-from tests.test_flower import assert_same_metrics, embedded, records
+from tests.test_flower import ServerKilled, assert_same_metrics, embedded, records
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +60,23 @@ def silo_config(
     }
 
 
-def on_silos(raw: dict[str, Any], out: Path, roots: list[Path] | None = None) -> list[dict[str, Any]]:
+def silo_grid(roots: list[Path]) -> LoopbackGrid:
+    """A loopback grid whose node ``i`` has ``roots[i]`` as its own data root (node config ``data-root``)."""
+    grid = LoopbackGrid(len(roots))
+    for context, root in zip(grid.contexts.values(), roots, strict=True):
+        context.node_config["data-root"] = str(root)
+    return grid
+
+
+def on_silos(
+    raw: dict[str, Any], out: Path, grid: LoopbackGrid | None = None, resume: bool = False
+) -> list[dict[str, Any]]:
     """``raw`` through the Flower apps, each node given its own data root in its node config and the
     server's config naming no data root at all (``data.nodes.roots`` emptied: the deployment form)."""
-    grid = LoopbackGrid(len(raw["data"]["nodes"]["roots"]))
-    for context, root in zip(grid.contexts.values(), roots or raw["data"]["nodes"]["roots"], strict=True):
-        context.node_config["data-root"] = str(root)
+    grid = grid or silo_grid(raw["data"]["nodes"]["roots"])
     served = {**raw, "data": {**raw["data"], "nodes": {**raw["data"]["nodes"], "roots": []}}}
     cfg = build_config({**served, "engine": {**raw["engine"], "runtime": "flower-deployment"}})
-    serve(grid, cfg, out, resume=False, force=False)
+    serve(grid, cfg, out, resume=resume, force=False)
     return records(out)
 
 
@@ -158,3 +166,24 @@ def test_node_source_configs_fail_in_one_line(silos):
     raw["engine"]["nodes"] = 3
     with pytest.raises(ConfigError, match="2 data roots for engine.nodes=3"):
         build_config(raw)
+
+
+def test_a_crashed_server_resumes_the_silos_run_from_its_checkpoint(silos, tmp_path):
+    """Ditto's personal models live on the nodes; the server dies during round 3 and is resumed from its
+    round-2 checkpoint (it asks the nodes for their manifests again): the uninterrupted run's metrics."""
+    raw = silo_config(silos, "ditto")
+    raw["rounds"], raw["eval"]["protocol"] = 3, "personalized"
+    reference = embedded(raw, tmp_path / "e")
+    out, grid = tmp_path / "f", silo_grid(silos)
+    original = grid.pull_messages
+
+    def pull(ids):
+        if (out / "metrics.jsonl").exists() and len(records(out)) == 2:  # round 3 is running
+            raise ServerKilled
+        return original(ids)
+
+    grid.pull_messages = pull  # type: ignore[method-assign]
+    with pytest.raises(ServerKilled):
+        on_silos(raw, out, grid)
+    grid.pull_messages = original  # type: ignore[method-assign]
+    assert_same_metrics(on_silos(raw, out, grid, resume=True), reference)
