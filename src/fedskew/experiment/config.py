@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
-from fedskew.experiment.config_errors import format_validation_error
+from fedskew.experiment.config_parsing import format_validation_error, set_dotted
 from fedskew.registry import check_options
 from fedskew.settings import (
     AttackSection,
@@ -228,28 +228,6 @@ class Config(Strict):
 
 
 # ---------------------------------------------------------------------------- parsing and errors
-def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
-    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (numbers, lists, ...)."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set '{assignment}': expected key=value, e.g. client.lr=0.05")
-    key, raw = assignment.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"--set '{assignment}': empty key segment")
-    node = cfg
-    for part in parts[:-1]:
-        nxt = node.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(
-                f"--set '{key}': '{part}' holds {nxt!r}, not a section; expected a mapping of keys there"
-            )
-        node = nxt
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        node[parts[-1]] = raw
-
-
 #: the subject of an unknown-option error under a config section
 _UNKNOWN = "config key '{where}.{{key}}': unknown option"
 
@@ -310,9 +288,50 @@ def validate_semantics(cfg: Config) -> None:
         )
     _check_security(cfg, alg, [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation])
     if cfg.data.source == "nodes":
-        from fedskew.experiment.silos import check_node_source
-
         check_node_source(cfg)
+
+
+#: what node-local data cannot combine with (each needs the whole dataset, or a central test set)
+_UNSUPPORTED = {
+    "data.frozen_encoder": lambda cfg: cfg.data.frozen_encoder is not None,
+    "data.vision_language": lambda cfg: cfg.data.vision_language is not None,
+    "data.feature_noise": lambda cfg: cfg.data.feature_noise > 0,
+    "attack.name=backdoor (its success rate needs a central test set)": lambda cfg: (
+        cfg.attack.name == "backdoor"
+    ),
+}
+
+
+def check_node_source(cfg: Config) -> None:
+    """One-line :class:`ConfigError` for a ``data.source: nodes`` config that cannot run."""
+    nodes, per_node = cfg.engine.nodes, cfg.data.nodes.clients
+    if cfg.data.num_clients != nodes * per_node:
+        raise ConfigError(
+            f"config key 'data.num_clients': data.source=nodes has engine.nodes x data.nodes.clients = "
+            f"{nodes * per_node} clients, got {cfg.data.num_clients}; leave data.num_clients out"
+        )
+    roots = cfg.data.nodes.roots
+    if roots and len(roots) != nodes:
+        raise ConfigError(
+            f"config key 'data.nodes.roots': {len(roots)} data roots for engine.nodes={nodes}; allowed: one "
+            "per node"
+        )
+    if not roots and cfg.engine.runtime != "flower-deployment":
+        raise ConfigError(
+            f"config key 'data.nodes.roots' is required on engine.runtime={cfg.engine.runtime} (one data "
+            "root per node); only deployed SuperNodes read their own (node config data-root)"
+        )
+    if cfg.data.nodes.server_root is not None and cfg.eval.protocol == "personalized":
+        from fedskew.algorithms.base import ALGORITHMS
+
+        if ALGORITHMS.get(cfg.algorithm.name).requires_personalized_eval:
+            raise ConfigError(
+                f"config key 'data.nodes.server_root': algorithm '{cfg.algorithm.name}' has no global model "
+                "to score centrally; allowed: null"
+            )
+    for key, used in _UNSUPPORTED.items():
+        if used(cfg):
+            raise ConfigError(f"data.source=nodes does not support {key}; allowed with data.source=partition")
 
 
 def _check_security(cfg: Config, alg: Any, eligible: list[str]) -> None:

@@ -27,54 +27,12 @@ from fedskew.data.nodes import (
 from fedskew.engine.assembly import ClientMeta
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator, RoundEvaluator
 from fedskew.engine.probes import CentralProbe
-from fedskew.errors import ConfigError, DataError, FedskewError
+from fedskew.errors import DataError, FedskewError
 
 if TYPE_CHECKING:
     from fedskew.algorithms.base import Algorithm
     from fedskew.engine.runtime import ModelCache
     from fedskew.experiment.config import Config
-
-#: what node-local data cannot combine with (each needs the whole dataset, or a central test set)
-_UNSUPPORTED = {
-    "data.frozen_encoder": lambda cfg: cfg.data.frozen_encoder is not None,
-    "data.vision_language": lambda cfg: cfg.data.vision_language is not None,
-    "data.feature_noise": lambda cfg: cfg.data.feature_noise > 0,
-    "attack.name=backdoor (its success rate needs a central test set)": lambda cfg: (
-        cfg.attack.name == "backdoor"
-    ),
-}
-
-
-def check_node_source(cfg: Config) -> None:
-    """One-line :class:`ConfigError` for a ``data.source: nodes`` config that cannot run."""
-    nodes, per_node = cfg.engine.nodes, cfg.data.nodes.clients
-    if cfg.data.num_clients != nodes * per_node:
-        raise ConfigError(
-            f"config key 'data.num_clients': data.source=nodes has engine.nodes x data.nodes.clients = "
-            f"{nodes * per_node} clients, got {cfg.data.num_clients}; leave data.num_clients out"
-        )
-    roots = cfg.data.nodes.roots
-    if roots and len(roots) != nodes:
-        raise ConfigError(
-            f"config key 'data.nodes.roots': {len(roots)} data roots for engine.nodes={nodes}; allowed: one "
-            "per node"
-        )
-    if not roots and cfg.engine.runtime != "flower-deployment":
-        raise ConfigError(
-            f"config key 'data.nodes.roots' is required on engine.runtime={cfg.engine.runtime} (one data "
-            "root per node); only deployed SuperNodes read their own (node config data-root)"
-        )
-    if cfg.data.nodes.server_root is not None and cfg.eval.protocol == "personalized":
-        from fedskew.algorithms.base import ALGORITHMS
-
-        if ALGORITHMS.get(cfg.algorithm.name).requires_personalized_eval:
-            raise ConfigError(
-                f"config key 'data.nodes.server_root': algorithm '{cfg.algorithm.name}' has no global model "
-                "to score centrally; allowed: null"
-            )
-    for key, used in _UNSUPPORTED.items():
-        if used(cfg):
-            raise ConfigError(f"data.source=nodes does not support {key}; allowed with data.source=partition")
 
 
 def load_node(cfg: Config, index: int, root: str | Path) -> FederatedData:

@@ -15,19 +15,32 @@ where the models or the data live on them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from flwr.app import MessageType
+from flwr.app import Message, MessageType
 
-from fedskew.algorithms.base import RoundInfo, State
+from fedskew.algorithms.base import Algorithm, RoundInfo, State
 from fedskew.engine.evaluation import Evaluator, client_summary, summarize
 from fedskew.errors import FedskewError
+from fedskew.experiment.config import Config
 from fedskew.flower.records import arrays, config, ref_of
 
-if TYPE_CHECKING:
-    from fedskew.algorithms.base import Algorithm
-    from fedskew.flower.server import FlowerExecutor
+
+class NodeMessenger(Protocol):
+    """What the evaluator needs of the Flower executor (:class:`fedskew.flower.server.FlowerExecutor`):
+    the run, where clients live, and messages to their nodes."""
+
+    algorithm: Algorithm
+    cfg: Config
+
+    def home(self, cid: int) -> int: ...
+
+    def by_node(self, cids: list[int]) -> tuple[dict[int, list[int]], list[int]]: ...
+
+    def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[Any, Any]) -> Message: ...
+
+    def ask(self, messages: dict[int, Message]) -> dict[int, Message]: ...
 
 
 class FlowerEvaluator:
@@ -39,7 +52,7 @@ class FlowerEvaluator:
     def __init__(
         self,
         local: Evaluator | None,
-        executor: FlowerExecutor,
+        executor: NodeMessenger,
         test_sizes: list[int],
         val_sizes: list[int],
         node_tests: list[int] | None = None,

@@ -354,7 +354,8 @@ def node_parts(grid: Grid, cfg: Config) -> ServerParts:
     algorithm built from their counts alone; the server reads no data."""
     timeout = cfg.engine.round_timeout
     nodes = node_map(grid, cfg.engine.nodes, timeout)
-    manifests = ask_manifests(nodes, lambda messages: exchange(grid, messages, timeout), cfg, timeout)
+    nodes.wait_all()
+    manifests = ask_manifests(nodes.index, lambda messages: exchange(grid, messages, timeout), cfg, timeout)
     meta = federation_meta(manifests)
     algorithm, models = algorithm_of(cfg, meta)
     test_sizes = [n for m in manifests for n in m.test_sizes]

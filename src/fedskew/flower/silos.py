@@ -12,7 +12,7 @@ on node ``c // data.nodes.clients``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -22,9 +22,6 @@ from fedskew.engine.assembly import ClientMeta
 from fedskew.errors import DataError, FedskewError
 from fedskew.experiment.config import Config, dump_config
 from fedskew.flower.records import config
-
-if TYPE_CHECKING:
-    from fedskew.flower.server import NodeMap
 
 #: node-config key of a node's own data root (a simulated partition's data.root; node-local data's root)
 DATA_ROOT_KEY = "data-root"
@@ -86,22 +83,25 @@ def manifest_reply(build: Callable[[], NodeManifest]) -> RecordDict:
 
 
 def ask_manifests(
-    nodes: NodeMap, ask: Callable[[dict[int, Message]], dict[int, Message]], cfg: Config, timeout: float
+    nodes: Mapping[int, int],
+    ask: Callable[[dict[int, Message]], dict[int, Message]],
+    cfg: Config,
+    timeout: float,
 ) -> list[NodeManifest]:
-    """Every node's manifest (in node order; ``ask`` exchanges messages by Flower node id), checked against
-    each other; raises the first node's error."""
-    nodes.wait_all()
+    """Every node's manifest (``nodes``: node index -> Flower node id, every index present; ``ask``
+    exchanges messages by Flower node id), in node order, checked against each other; raises the first
+    node's error."""
     job = ConfigRecord({"config": dump_config(cfg), MANIFEST: True})
     messages = {
-        nodes.index[i]: Message(
-            RecordDict({"job": job}), dst_node_id=nodes.index[i], message_type=MessageType.QUERY, ttl=timeout
+        nodes[i]: Message(
+            RecordDict({"job": job}), dst_node_id=nodes[i], message_type=MessageType.QUERY, ttl=timeout
         )
         for i in range(cfg.engine.nodes)
     }
     replies = ask(messages)
     manifests = []
     for i in range(cfg.engine.nodes):
-        reply = replies.get(nodes.index[i])
+        reply = replies.get(nodes[i])
         if reply is None or reply.has_error() or MANIFEST not in reply.content:
             why = (
                 "no reply" if reply is None else (reply.error.reason if reply.has_error() else "no manifest")

@@ -1,12 +1,14 @@
-"""Pydantic's validation errors of a config as one line naming the key and what is allowed."""
+"""A raw config's text handling: ``--set`` overrides (:func:`set_dotted`) and pydantic's validation errors as
+one line naming the key and what is allowed (:func:`format_validation_error`)."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
+import yaml
 from pydantic import BaseModel, ValidationError
 
-from fedskew.errors import did_you_mean
+from fedskew.errors import ConfigError, did_you_mean
 
 
 def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
@@ -55,3 +57,25 @@ def format_validation_error(err: ValidationError, model: type[BaseModel]) -> str
     if e["type"] == "literal_error":
         msg = msg.replace("Input should be", "allowed:")
     return f"config key '{key}': {msg} (got {e.get('input')!r})"
+
+
+def set_dotted(cfg: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (numbers, lists, ...)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set '{assignment}': expected key=value, e.g. client.lr=0.05")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set '{assignment}': empty key segment")
+    node = cfg
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(
+                f"--set '{key}': '{part}' holds {nxt!r}, not a section; expected a mapping of keys there"
+            )
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
