@@ -131,7 +131,8 @@ class FlowerEvaluator:
 
         def mean(split: str, total: int) -> torch.Tensor:
             parts = [v for k, v in rows.items() if k.startswith(f"{split}.node")]
-            return torch.stack(parts).sum(0) / max(total, 1)
+            zero = torch.zeros(len(heads) + 1, dtype=torch.float64)  # no node held samples of the split
+            return torch.stack([zero, *parts]).sum(0) / max(total, 1)
 
         test = mean("test", sum(self.node_tests))
         out = summarize({h: test[i].view(1) for i, h in enumerate(heads)}, float(test[-1]), heads)
