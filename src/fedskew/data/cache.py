@@ -65,6 +65,11 @@ def save_atomic(path: Path, obj: Any) -> bool:
     return _write_atomic(path, lambda f: torch.save(obj, f))
 
 
+def save_bytes_atomic(path: Path, data: bytes) -> bool:
+    """``data`` to ``path`` by write-then-rename; ``False`` (skipped) where ``path`` is read-only."""
+    return _write_atomic(path, lambda f: f.write(data))
+
+
 def save_json_atomic(path: Path, obj: Any) -> bool:
     """``obj`` as JSON to ``path`` by write-then-rename; ``False`` (skipped) where ``path`` is read-only."""
     return _write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))

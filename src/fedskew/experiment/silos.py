@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedskew.data.base import DATASETS
+from fedskew.data.base import DATASETS, Dataset
 from fedskew.data.federated import FederatedData
 from fedskew.data.nodes import (
     NodeManifest,
@@ -35,15 +35,21 @@ if TYPE_CHECKING:
     from fedskew.experiment.config import Config
 
 
-def load_node(cfg: Config, index: int, root: str | Path) -> FederatedData:
-    """Node ``index``'s clients from its data root alone (``cfg.data.dataset`` with ``cfg.data.options``);
-    a loading error names the node."""
-    where = f"node {index} (data root {root})"
+def labelled_dataset(cfg: Config, root: str | Path, where: str) -> Dataset:
+    """``cfg.data.dataset`` read from ``root`` with ``cfg.data.options`` and mapped onto the declared label
+    space; a loading error is prefixed with ``where`` (the node or the server)."""
     try:
         dataset = DATASETS.get(cfg.data.dataset)(Path(root).expanduser(), **cfg.data.options)
     except FedskewError as err:
         raise type(err)(f"{where}: {err}") from None
-    dataset = node_label_space(dataset, cfg.data.nodes.classes, where)
+    return node_label_space(dataset, cfg.data.nodes.classes, where)
+
+
+def load_node(cfg: Config, index: int, root: str | Path) -> FederatedData:
+    """Node ``index``'s clients from its data root alone (``cfg.data.dataset`` with ``cfg.data.options``);
+    a loading error names the node."""
+    where = f"node {index} (data root {root})"
+    dataset = labelled_dataset(cfg, root, where)
     if len(dataset.y_train) == 0:
         raise DataError(f"{where} has no training samples")
     d = cfg.data
@@ -84,11 +90,7 @@ def with_central(
     if cfg.data.source != "nodes" or root is None:
         return inner
     where = f"the server (data root {root})"
-    try:
-        dataset = DATASETS.get(cfg.data.dataset)(Path(root).expanduser(), **cfg.data.options)
-    except FedskewError as err:
-        raise type(err)(f"{where}: {err}") from None
-    dataset = stored_normalised(node_label_space(dataset, cfg.data.nodes.classes, where))
+    dataset = stored_normalised(labelled_dataset(cfg, root, where))
     if dataset.class_names != classes or dataset.in_shape != in_shape:
         raise DataError(
             f"{where} has the label space {dataset.class_names} and inputs {dataset.in_shape}, the nodes "

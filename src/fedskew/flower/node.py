@@ -44,7 +44,14 @@ from fedskew.experiment.config import Config, build_config
 from fedskew.experiment.silos import load_node, node_manifest
 from fedskew.flower.node_cache import cache_key, node_data
 from fedskew.flower.records import config, get_payload, put_payload, state_from_bytes, state_to_bytes
-from fedskew.flower.silos import DATA_ROOT_KEY, MANIFEST, federation_from, manifest_reply, node_root
+from fedskew.flower.silos import (
+    DATA_ROOT_KEY,
+    MANIFEST,
+    clients_on,
+    federation_from,
+    manifest_reply,
+    node_root,
+)
 from fedskew.flower.versions import Versions, versions_of
 
 log = logging.getLogger("fedskew.flower")
@@ -148,16 +155,11 @@ def timed_node_runtime(job: Mapping[str, Any], context: Context) -> tuple[NodeRu
         if cfg.data.source == "partition":  # a fresh process reads it from the node's disk cache
             data, _ = node_data(
                 lambda: build_data(cfg),
-                lambda d: round_robin(d.num_clients, cfg.engine.nodes, index),
+                lambda d: clients_on(cfg, d.num_clients, index),
                 cache_key(config_text, str(resolve_root(cfg.data.root).resolve()), index),
             )
         _CACHE[key] = build_node(cfg, index, root, meta, data)
     return _CACHE[key], time.perf_counter() - t0
-
-
-def round_robin(num_clients: int, nodes: int, index: int) -> list[int]:
-    """A simulated partition's clients on node ``index``: ``c % nodes == index``."""
-    return [c for c in range(num_clients) if c % nodes == index]
 
 
 def node_clients(
@@ -170,13 +172,12 @@ def node_clients(
     partition, already built (or read from the node's cache)."""
     if cfg.data.source == "partition":
         data = build_data(cfg) if data is None else data
-        return data, ClientMeta.of(data), round_robin(data.num_clients, cfg.engine.nodes, index)
+        return data, ClientMeta.of(data), clients_on(cfg, data.num_clients, index)
     if meta is None:
         raise FedskewError("data.source=nodes: the message carries no federation record")
-    k = cfg.data.nodes.clients
+    owned = clients_on(cfg, meta.num_clients, index)
     local = load_node(cfg, index, node_root(cfg, root, index))
-    owned = list(range(index * k, index * k + k))
-    return spread(local, index * k, meta.num_clients), meta, owned
+    return spread(local, owned[0], meta.num_clients), meta, owned
 
 
 def build_node(
@@ -299,20 +300,17 @@ def _stats(
     return torch.tensor(row, dtype=torch.float64), heads
 
 
-#: what an ``evaluate`` message scores (job ``scope``): ``personal``: each client's own model on its splits;
-#: ``global``: the global model (payload ``p.global``) on each client's splits; ``node``: the global model on
-#: the node's whole test set and its clients' validation samples (the global protocol, node-local data)
-SCOPES = ("personal", "global", "node")
-
-
 def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
-    """Score the message's clients' models on their test (and validation) splits, or the global model on the
-    node's (``scope``, :data:`SCOPES`); reply with counts of correct predictions per head and loss sums per
-    client (``test.<cid>``, ``val.<cid>``) or for the node (``test.node``, ``val.node``)."""
+    """Score what the job's ``scope`` names: ``personal``, each client's own model on its test (and
+    validation) split; ``global``, the global model (payload ``p.global``) on each client's splits; ``node``,
+    the global model on the node's whole test set and its clients' validation samples (the global protocol
+    with node-local data). Reply with counts of correct predictions per head and loss sums per client
+    (``test.<cid>``, ``val.<cid>``) or for the node (``test.node``, ``val.node``)."""
     job = config(content, "job")
     node = node_runtime(job, context)
     scope = str(job.get("scope", "personal"))
-    cids, refs = [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
+    cids = [int(c) for c in job["cids"]]
+    refs = dict(zip(cids, [int(v) for v in job["refs"]], strict=True))
     _owned(node, cids)
     store = versions_of(context, str(job.get("experiment", "")))
     shared = get_payload(content, "p.global", node.rt.device) if scope != "personal" else None
@@ -327,7 +325,7 @@ def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
         payload, state = shared, None  # the global model, as the embedded evaluator scores it
         if payload is None and cid is not None:  # the client's own model: its payload and its state
             who, payload = cid, get_payload(content, f"p.{cid}", node.rt.device)
-            state = load_version(node, store, cid, refs[cids.index(cid)])
+            state = load_version(node, store, cid, refs[cid])
         assert payload is not None
         for split, x, y, conv in (
             ("test", sp.x_test, sp.y_test, node.to_float),

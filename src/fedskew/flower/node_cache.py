@@ -22,13 +22,11 @@ dataset whose fields are not all tensors and plain values is not cached (rebuilt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +37,7 @@ from torch import Tensor
 
 import fedskew
 from fedskew.data.base import Dataset
-from fedskew.data.cache import cache_root
+from fedskew.data.cache import cache_root, save_bytes_atomic
 from fedskew.data.federated import FederatedData
 
 log = logging.getLogger("fedskew.flower")
@@ -165,16 +163,7 @@ def write(path: Path, key: str, data: NodeFederatedData) -> bool:
     torch.save({"key": key, "data": obj}, buf)
     body = buf.getvalue()
     head = hashlib.sha256(body).hexdigest().encode() + b"\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(head + body)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        return False
-    return True
+    return save_bytes_atomic(path, head + body)
 
 
 def read(path: Path, key: str) -> NodeFederatedData | None:

@@ -38,6 +38,12 @@ def home_of(cfg: Config) -> Callable[[int], int]:
     return lambda cid: cid % nodes
 
 
+def clients_on(cfg: Config, num_clients: int, index: int) -> list[int]:
+    """The clients living on node ``index`` (:func:`home_of`), in ascending order."""
+    home = home_of(cfg)
+    return [c for c in range(num_clients) if home(c) == index]
+
+
 def node_root(cfg: Config, own: str, index: int) -> str:
     """Node ``index``'s data root for node-local data: its node config's ``data-root``, else
     ``data.nodes.roots[index]``; a one-line error when it has neither."""
