@@ -75,6 +75,15 @@ def _bit_equal_expected(got_env: dict[str, Any]) -> bool:
     return got_env["pinned"] and all(got_env[k] == want[k] for k in ("torch", "machine", "capability"))
 
 
+def test_no_float32_call_reaches_mkl_vector_math(golden_runs: SharedRuns):
+    """MKL's float32 vector math is not correctly rounded and its bits differ between CPU models (issue 56):
+    every method and optimizer goes through ``fedskew.numerics`` instead. The pinned run records each call."""
+    calls = golden_runs.get("pinned")["vector_math"]
+    assert not calls, "float32 calls reaching MKL's vector math:\n" + "\n".join(
+        f"{name}: {'; '.join(sites)}" for name, sites in calls.items()
+    )
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", case_names())
 def test_metrics_match_the_golden_record(golden_runs: SharedRuns, kind: str, name: str):

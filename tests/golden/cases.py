@@ -10,6 +10,8 @@ where they must stay within the measured drift. A deliberate change re-records a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -23,6 +25,7 @@ from typing import Any
 from fedskew.algorithms import ALGORITHMS
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
+from fedskew.numerics import VectorMathGuard
 from tests.conftest import VL_WORLD, digits_config
 from tests.golden import isa
 from tests.test_contract import BATCHNORM_METHODS, TINY_BN_CNN
@@ -35,8 +38,12 @@ REPO = HERE.parent.parent
 TIMING = ("seconds",)
 #: a tolerance is this many times the largest drift measured between kernel variants
 SAFETY = 10.0
-#: relative slack on every float, for drift that no measured variant showed (another CPU or architecture)
-REL_FLOOR = 1e-7
+#: the least drift a float metric is allowed under other kernels, on top of the measured one: this many
+#: float32 ulps of the recorded value (one float32 rounding of a metric is already 0.5 ulp, so a floor below
+#: an ulp — the former relative floor 1e-7 was 0.4 ulp at 2.09 — can never hold across CPUs) ...
+ULP_FLOOR = 4
+#: ... and at least this much, for metrics near 0 whose float32 summands were larger than their result
+ABS_FLOOR = 1e-8
 
 Records = list[dict[str, Any]]
 
@@ -87,10 +94,12 @@ def case_names() -> list[str]:
     return [*package, "fedproto-hetero", "local-hetero", "moon-hetero"]
 
 
-def run_case(name: str, out: Path) -> Records:
-    """Run a case in this process and return its metrics records without timing fields."""
+def run_case(name: str, out: Path, guard: VectorMathGuard | None = None) -> Records:
+    """Run a case in this process (under ``guard`` when given) and return its metrics records without
+    timing fields."""
     isa.apply_in_process_pin()
-    run_experiment(build_config(case_config(name)), out)
+    with guard if guard is not None else contextlib.nullcontext():
+        run_experiment(build_config(case_config(name)), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
@@ -118,16 +127,20 @@ def _drift(got: Any, want: Any) -> float:
     return abs(got - want)
 
 
-def _floats_in(value: Any) -> float:
-    """The largest magnitude among a value's floats (0 when it holds none: integers compare exactly)."""
+def float_floor(value: Any) -> float:
+    """The drift a value's floats may show on any CPU: ``ULP_FLOOR`` float32 ulps of its largest float, at
+    least ``ABS_FLOOR``; 0 when it holds none (integers and strings compare exactly)."""
     if isinstance(value, list):
-        return max((_floats_in(v) for v in value), default=0.0)
-    return abs(value) if isinstance(value, float) else 0.0
+        return max((float_floor(v) for v in value), default=0.0)
+    if not isinstance(value, float) or not math.isfinite(value):
+        return 0.0
+    ulp = 2.0 ** (math.frexp(value)[1] - 24) if value else 0.0  # float32: 24 significant bits
+    return max(ULP_FLOOR * ulp, ABS_FLOOR)
 
 
 def mismatches(got: Records, want: Records, tol: dict[str, float] | None) -> list[str]:
     """What differs between two runs of a case: bit for bit when ``tol`` is None, else within
-    ``tol[metric] + REL_FLOOR * |recorded|`` (a metric not in ``tol`` drifted in no measured variant)."""
+    ``tol[metric] + float_floor(recorded)`` (a metric not in ``tol`` drifted in no measured variant)."""
     if len(got) != len(want):
         return [f"{len(got)} evaluated rounds, recorded {len(want)}"]
     found = []
@@ -136,12 +149,10 @@ def mismatches(got: Records, want: Records, tol: dict[str, float] | None) -> lis
             found.append(f"round {w['round']}: keys {sorted(g.keys() ^ w.keys())} differ")
             continue
         for key, want_value in w.items():
-            if tol is None:
-                bad = g[key] != want_value
-            else:
-                bad = _drift(g[key], want_value) > tol.get(key, 0.0) + REL_FLOOR * _floats_in(want_value)
+            limit = None if tol is None else tol.get(key, 0.0) + float_floor(want_value)
+            bad = g[key] != want_value if limit is None else _drift(g[key], want_value) > limit
             if bad:
-                allowed = "" if tol is None else f" (allowed drift {tol.get(key, 0.0):.3g})"
+                allowed = "" if limit is None else f" (allowed drift {limit:.3g})"
                 found.append(f"round {w['round']}: {key} {g[key]!r} != recorded {want_value!r}{allowed}")
     return found
 
@@ -161,37 +172,86 @@ def derive_tolerances(reference: dict[str, Records], variants: dict[str, dict[st
     return cases
 
 
-def record() -> None:
-    """Re-record the pinned results and re-derive the tolerances (about a minute on 2 cores)."""
-    pinned = run_cases(isa.pinned_env())
-    pinned["environment"]["cpu"] = isa.cpu_description()
-    variants = {name: run_cases({**os.environ, **env})["cases"] for name, env in isa.VARIANTS.items()}
-    RESULTS.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+def record(names: list[str]) -> None:
+    """Re-record the pinned results of ``names`` (every case when empty) and re-derive their tolerances;
+    the other cases' records stay as they are (about a minute on 2 cores for all of them)."""
+    pinned = run_cases(isa.pinned_env(), names or None)
+    if pinned["vector_math"]:
+        raise SystemExit(f"not recorded: float32 calls reach MKL's vector math: {pinned['vector_math']}")
+    variants = {
+        kind: run_cases({**os.environ, **env}, names or None)["cases"] for kind, env in isa.VARIANTS.items()
+    }
+    old = json.loads(RESULTS.read_text()) if names else {"cases": {}}
+    results = {"environment": {**pinned["environment"], "cpu": isa.cpu_description()}}
+    results["cases"] = {**old["cases"], **pinned["cases"]}
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    derived = derive_tolerances(pinned["cases"], variants)
+    old_tol = json.loads(TOLERANCES.read_text())["cases"] if names else {}
     tolerances = {
         "safety": SAFETY,
-        "rel_floor": REL_FLOOR,
+        "ulp_floor": ULP_FLOOR,
+        "abs_floor": ABS_FLOOR,
         "variants": isa.VARIANTS,
         "measured_on": isa.cpu_description(),
-        "cases": derive_tolerances(pinned["cases"], variants),
+        "cases": {**old_tol, **derived},
     }
     TOLERANCES.write_text(json.dumps(tolerances, indent=1, sort_keys=True) + "\n")
-    for name, tol in tolerances["cases"].items():
+    for name, tol in derived.items():
         print(f"{name:16s} " + ", ".join(f"{k} {v:.2g}" for k, v in tol.items()))
+
+
+def digest(records: Records) -> str:
+    """A short fingerprint of a case's records (floats by their exact ``repr``)."""
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def probe() -> None:
+    """Print what a golden failure on an unseen CPU is diagnosed from: the CPU, the libraries, and each
+    case's pinned digest beside the recorded one (``python -m tests.golden.cases --probe``, ~30 s)."""
+    recorded = json.loads(RESULTS.read_text())
+    for key, value in isa.libraries().items():
+        print(f"{key:12s} {value}")
+    run = run_cases(isa.pinned_env())
+    print(f"{'pinned run':12s} {run['environment']}")
+    print(f"{'recorded on':12s} {recorded['environment']}")
+    same = 0
+    for name in sorted(recorded["cases"]):
+        got, want = digest(run["cases"].get(name, [])), digest(recorded["cases"][name])
+        same += got == want
+        print(f"  {name:18s} {got}  {'= record' if got == want else 'differs from ' + want}")
+    print(f"{same} of {len(recorded['cases'])} cases equal the record bit for bit")
+    for name, calls in run.get("vector_math", {}).items():
+        print(f"  {name}: float32 MKL vector math: {'; '.join(calls)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--record", action="store_true", help="rewrite results.json and tolerances.json")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="re-record the named cases (all when none) in results.json and tolerances.json",
+    )
+    ap.add_argument("--probe", action="store_true", help="this machine's CPU, libraries and pinned digests")
     ap.add_argument("--emit", type=Path, help="run the cases in this process, write their records here")
     ap.add_argument("cases", nargs="*")
     args = ap.parse_args()
     if args.record:
-        record()
+        record(args.cases)
+        return
+    if args.probe:
+        probe()
         return
     names = args.cases or case_names()
+    # the pinned run also records every float32 call that reaches MKL's vector math (fedskew.numerics)
+    guards = {name: VectorMathGuard() if isa.pinned() else None for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: run_case(name, Path(tmp) / name) for name in names}
-    result = {"environment": isa.environment(), "cases": runs}
+        runs = {name: run_case(name, Path(tmp) / name, guards[name]) for name in names}
+    vector_math = {
+        name: [f"{op} at {site} x{count}" for (op, site), count in sorted(guard.calls.items())]
+        for name, guard in guards.items()
+        if guard is not None and guard.calls
+    }
+    result = {"environment": isa.environment(), "cases": runs, "vector_math": vector_math}
     if args.emit:
         args.emit.write_text(json.dumps(result))
     else:

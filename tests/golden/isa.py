@@ -18,6 +18,18 @@ AVX2). ``PINNED`` removes each of those choices for the process that runs the go
 Measured (see ``python -m tests.golden.cases --record``): under ``PINNED`` every case is bit-identical
 whatever ``MKL_ENABLE_INSTRUCTIONS`` (SSE4_2, AVX2, AVX512) MKL is allowed to dispatch to on this CPU.
 ``NATIVE`` is the process's own environment: the kernels a user gets.
+
+What the pin cannot close (issue 56): MKL's vector math (VML), which ATen calls for float32 and float64
+``sqrt``, ``exp``, ``log``, ``sin``, ``cos``, ``acos``, ``tanh``, ``erf`` and a few more. Its kernels start
+from approximation instructions (``rsqrtps``, ``rcpps``) whose bits differ between processor models, under
+every ``MKL_CBWR`` branch: on a 5th-generation Xeon (Emerald Rapids) FedOpt's, FedDecorr's and FedGen's
+float32 square roots gave other bits than on the AMD EPYC that recorded them. The code therefore takes those
+functions from ``fedskew.numerics`` (correctly rounded, so the same on every CPU), and the pinned run runs
+under ``numerics.VectorMathGuard``: a float32 call that still reaches VML fails the golden suite, naming the
+op and the source line. float64 VML calls remain (FedEnt's solver takes float64 ``log``s); rounded to
+float32 they practically never move a result; FedEnt's float64 metrics would move with them, and the probe
+(``python -m tests.golden.cases --probe``) shows such a case in one command. See docs/decisions.md,
+"Portable float32 math".
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 #: environment of the pinned process (set before ``import torch``: the libraries read it at load time)
@@ -71,6 +84,28 @@ def apply_in_process_pin() -> None:
         raise RuntimeError(f"pinned golden run needs an AVX2 CPU; ATen runs {capability} kernels here")
 
 
+def pinned() -> bool:
+    """Whether this process was started by ``pinned_env``."""
+    return os.environ.get(PIN_FLAG) == "1"
+
+
+def libraries() -> dict[str, str]:
+    """The CPU and the library builds the numbers depend on, for ``cases.py --probe``."""
+    build = torch.__config__.show().splitlines()
+    mkl = next((ln.strip(" -") for ln in build if "Math Kernel" in ln), "none")
+    onednn = next((ln.strip(" -") for ln in build if "DNN" in ln), "none")
+    return {
+        "cpu": cpu_description(),
+        "cpu flags": cpu_flags(),
+        "torch": torch.__version__,
+        "mkl": mkl,
+        "onednn": onednn,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "native isa": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def environment() -> dict[str, Any]:
     """What the recorded numbers depend on besides the code: bit-equality is asserted only where these
     match the recording (another torch or another architecture compares within tolerances)."""
@@ -78,17 +113,29 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__.split("+")[0],
         "machine": platform.machine(),
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "pinned": os.environ.get(PIN_FLAG) == "1",
+        "pinned": pinned(),
     }
 
 
-def cpu_description() -> str:
-    """The CPU's model and the vector extensions that decide the kernels (from ``/proc/cpuinfo``)."""
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of ``/proc/cpuinfo`` ("" where there is none)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
-    return f"{model} ({', '.join(f for f in wanted if f in flags)})"
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_flags() -> str:
+    """The CPU's vector extensions, all of them (``avx*``, ``amx*``, ``fma``, ``f16c``, ``sse*``)."""
+    flags = _cpuinfo("flags").split()
+    return " ".join(f for f in flags if f.startswith(("avx", "amx", "sse", "fma", "f16c")))
+
+
+def cpu_description() -> str:
+    """The CPU's model, family/model numbers and the vector extensions that decide the kernels."""
+    model = _cpuinfo("model name") or platform.processor() or platform.machine()
+    numbers = f"family {_cpuinfo('cpu family')} model {_cpuinfo('model')}"
+    flags = _cpuinfo("flags").split()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile")
+    return f"{model}, {numbers} ({', '.join(f for f in wanted if f in flags)})"

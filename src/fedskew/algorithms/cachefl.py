@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     HyperParams,
@@ -53,7 +54,7 @@ from fedskew.algorithms.vision_language import (
 def affinity(f: Tensor, keys: Tensor, beta: float) -> Tensor:
     """Eq. (6)'s kernel ``A = exp(−β (1 − f W1))`` ``[B, N·K]``; for unit vectors it equals
     ``exp(−(β/2) ‖f − w‖²)``."""
-    return torch.exp(-beta * (1.0 - f @ keys.T))
+    return numerics.exp(-beta * (1.0 - f @ keys.T))
 
 
 def cache_logits(

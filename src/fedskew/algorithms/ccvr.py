@@ -37,6 +37,7 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -109,7 +110,7 @@ def sample_virtual(
     """``sizes[c]`` draws from N(μ_c, Σ_c) per class (float64): ``(features [M, d], labels [M])``, with
     Σ_c's symmetric square root (Σ_c may be singular)."""
     evals, evecs = torch.linalg.eigh(0.5 * (sigma + sigma.transpose(1, 2)))
-    roots = evecs * evals.clamp_min(0.0).sqrt()[:, None, :]  # Σ_c = root root^T
+    roots = evecs * numerics.sqrt(evals.clamp_min(0.0))[:, None, :]  # Σ_c = root root^T
     feats, labels = [], []
     for c, m in enumerate(sizes):
         if m == 0:

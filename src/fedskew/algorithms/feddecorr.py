@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, Batch, HyperParams, LocalStep, embedding_dim
 from fedskew.models.base import FedModel
 
@@ -43,11 +44,11 @@ def decorrelation_loss(z: Tensor, formula: str = "paper") -> Tensor:
     centred = z - z.mean(dim=0, keepdim=True)
     if formula == "code":
         var = centred.pow(2).sum(0, keepdim=True) / max(n - 1, 1)  # unbiased, as torch.var
-        zhat = centred / torch.sqrt(var + EPS)
+        zhat = centred / numerics.sqrt(var + EPS)
         gram = zhat.T @ zhat
         off = gram.pow(2).sum() - torch.diagonal(gram).pow(2).sum()
         return off / max(d * (d - 1), 1) / n
-    zhat = centred / torch.sqrt(centred.pow(2).mean(0, keepdim=True) + EPS)
+    zhat = centred / numerics.sqrt(centred.pow(2).mean(0, keepdim=True) + EPS)
     corr = zhat.T @ zhat / n
     return corr.pow(2).sum() / d**2
 

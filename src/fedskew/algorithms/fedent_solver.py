@@ -35,6 +35,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from fedskew import numerics
+
 F64 = torch.float64
 PBAR_FLOOR = 1e-12  # clamp p̄ to [1e-12, 1] before the log (a safeguard; not in paper)
 PHI_FLOOR = 1e-30  # φ2 > 0; a zero model would divide by zero
@@ -83,7 +85,7 @@ def solve_eta(
     if bound is not None:  # a NaN bound (degenerate inputs) leaves eta_max
         b = to_f64(bound).expand_as(s)
         hi = torch.where(torch.isnan(b), hi, torch.minimum(hi, b.clamp_min(0.0)))
-    K = G.sqrt() if printed_eq24 else G
+    K = numerics.sqrt(G) if printed_eq24 else G
     scale = beta * theta / ((1.0 - beta) * phi)  # c = scale · (1 + log p̄)
     terms = (s, G, X, theta, phi, scale, K)
     eta, ok = _substitute(terms, hi, max_inner, tol, damping)
@@ -220,7 +222,7 @@ def eq18_bound(
 ) -> Tensor:
     """The paper's upper bound, Eq. (18)/(25): ``2 β θ D ‖φ1‖ / ((1 − β) φ2(t+1))`` (rigorous only when
     ``p̄ ≥ 1/e``, i.e. ``c ≥ 0``: the step of Eq. (25) assumes ``|1 + log p| ≤ 2``, false for ``p < e^−3``)."""
-    numerator = 2.0 * beta * to_f64(theta) * D * to_f64(X).sqrt()
+    numerator = 2.0 * beta * to_f64(theta) * D * numerics.sqrt(to_f64(X))
     return numerator / ((1.0 - beta) * to_f64(phi2_next).clamp_min(PHI_FLOOR))
 
 

@@ -47,6 +47,7 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -117,7 +118,7 @@ def diversity_loss(eps: Tensor, z: Tensor) -> Tensor:
     squared and d1 the mean absolute difference."""
     noise = (eps[None] - eps[:, None]).pow(2).mean(2)
     layer = (z[None] - z[:, None]).abs().mean(2)
-    return torch.exp(-(noise * layer).mean())
+    return numerics.exp(-(noise * layer).mean())
 
 
 def draw_noise(shape: tuple[int, ...], gen: torch.Generator, kind: str) -> Tensor:
@@ -302,7 +303,7 @@ class FedGen(Algorithm):
                 g = cast(Tensor, param.grad) + self.p.generator_weight_decay * param
                 m[name] = b1 * m[name] + (1 - b1) * g
                 v[name] = b2 * v[name] + (1 - b2) * g * g
-                denom = (v[name] / (1 - b2**t)).sqrt() + ADAM_EPS
+                denom = numerics.sqrt(v[name] / (1 - b2**t)) + ADAM_EPS
                 param.sub_(lr * (m[name] / (1 - b1**t)) / denom)
         return {"m": m, "v": v, "step": t}
 

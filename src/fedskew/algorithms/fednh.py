@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -119,7 +120,7 @@ def uniform_prototypes(
     for _ in range(_OPT_STEPS):
         u = F.normalize(w, dim=1)
         cos = (u @ u.T).masked_fill(eye, -2.0)
-        loss = torch.logsumexp(_OPT_TEMPERATURE * cos.flatten(), 0) / _OPT_TEMPERATURE
+        loss = numerics.logsumexp(_OPT_TEMPERATURE * cos.flatten(), 0) / _OPT_TEMPERATURE
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -255,7 +256,7 @@ class FedNH(Algorithm):
         new, updated = infuse_semantics(old, classes, means, counts, self.p.rho, self.p.normalize_means)
         # diagnostic: mean angle (degrees) the updated prototypes moved this round
         cos = (old[updated] * new[updated]).sum(1).clamp(-1.0, 1.0)
-        shift = float(torch.rad2deg(torch.acos(cos)).mean()) if bool(updated.any()) else 0.0
+        shift = float(torch.rad2deg(numerics.acos(cos)).mean()) if bool(updated.any()) else 0.0
         metrics = {
             "fednh_scale": float(scale.reshape(-1)[0]),
             "proto_shift_deg": shift,

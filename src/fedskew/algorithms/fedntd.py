@@ -31,6 +31,7 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedskew import numerics
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, Batch, HyperParams, LocalStep, Payload
 
 
@@ -46,7 +47,7 @@ def ntd_loss(local: Tensor, global_: Tensor, y: Tensor, tau: float) -> Tensor:
     """``KL(q̃^g_τ ‖ q̃^l_τ)`` over the not-true classes, mean over the batch (FedNTD's L_NTD, without τ²)."""
     log_q_l = F.log_softmax(not_true_logits(local, y) / tau, dim=1)
     log_q_g = F.log_softmax(not_true_logits(global_, y) / tau, dim=1)
-    return (log_q_g.exp() * (log_q_g - log_q_l)).sum(1).mean()
+    return (numerics.exp(log_q_g) * (log_q_g - log_q_l)).sum(1).mean()
 
 
 def global_logits(model: nn.Module, payload: Payload, x: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -153,7 +154,7 @@ class AdaptiveServerOptimizer(ServerOptimizer):
     def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         m = self.p.beta1 * slots["m"] + (1.0 - self.p.beta1) * delta
         v = self.second_moment(slots["v"], delta * delta)
-        return {"m": m, "v": v}, self.p.server_lr * m / (v.sqrt() + self.p.tau)
+        return {"m": m, "v": v}, self.p.server_lr * m / (numerics.sqrt(v) + self.p.tau)
 
 
 @ALGORITHMS.register("fedadagrad")

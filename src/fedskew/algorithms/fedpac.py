@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -104,7 +105,7 @@ def simplex_qp(m: Tensor, allowed: Tensor | None = None, iters: int = 5000, tol:
         grad = 2.0 * torch.bmm(q, y[:, :, None])[:, :, 0]
         new = project_simplex(y - grad / lip, ok)
         restart = ((y - new) * (new - x)).sum(1, keepdim=True) > 0
-        t_new = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
+        t_new = (1.0 + numerics.sqrt(1.0 + 4.0 * t * t)) / 2.0
         momentum = torch.where(restart, torch.zeros_like(t), (t - 1.0) / t_new)
         y = new + momentum * (new - x)
         t = torch.where(restart, torch.ones_like(t), t_new)

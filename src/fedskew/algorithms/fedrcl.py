@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -92,12 +93,12 @@ def relaxed_contrastive_terms(
     pos = (y[:, None] == y[None, :]) & ~eye
     n_pos = pos.sum(1)
     logits = (sim / tau).masked_fill(eye, float("-inf"))
-    log_prob = logits - torch.logsumexp(logits, dim=1, keepdim=True)  # over A_i
+    log_prob = logits - numerics.logsumexp(logits, dim=1, keepdim=True)  # over A_i
     scl = -log_prob.masked_fill(~pos, 0.0).sum(1) / n_pos.clamp_min(1)
     over = pos & (sim > threshold)  # the excessively similar positive pairs
     pen_logits = ((sim - 1.0) / tau).masked_fill(~over, float("-inf"))
     zero = torch.zeros(b, 1, dtype=z.dtype, device=z.device)  # the anchor itself: (1 − 1)/τ
-    penalty = torch.logsumexp(torch.cat([zero, pen_logits], 1), dim=1)
+    penalty = numerics.logsumexp(torch.cat([zero, pen_logits], 1), dim=1)
     return scl, penalty, n_pos > 0, pos, sim
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -108,7 +109,7 @@ class FedRoD(Algorithm):
 
     def init_scratch(self, step: LocalStep) -> dict[str, Tensor]:
         counts = step.client.class_counts.to(step.client.y.device, torch.float32)
-        return {"log_prior": self.p.gamma * counts.log()}
+        return {"log_prior": self.p.gamma * numerics.log(counts)}
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
         model = cast(FedModel, step.model)

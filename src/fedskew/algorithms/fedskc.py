@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -95,7 +96,7 @@ def merge_nearest(protos: Tensor, present: Tensor, m: int) -> tuple[Tensor, Tens
     """
     k, c, _ = protos.shape
     per_class = protos.transpose(0, 1)  # [C, K, D]
-    dist = torch.cdist(per_class.double(), per_class.double())  # [C, K, K]
+    dist = numerics.cdist(per_class.double(), per_class.double())  # [C, K, K]
     valid = present.T[:, :, None] & present.T[:, None, :]  # [C, K, K] both hold the class
     valid &= ~torch.eye(k, dtype=torch.bool, device=protos.device)
     dist = dist.masked_fill(~valid, float("inf"))
@@ -184,7 +185,7 @@ def lcl_loss(
     anchors, y = logits[keep], labels[keep]
     keys = glob[classes].to(anchors.dtype)
     cos = F.normalize(anchors, dim=1) @ F.normalize(keys, dim=1).T  # [B, P]
-    u = torch.cdist(anchors.detach(), keys).mean(0) + _EPS if u is None else u[classes].to(anchors.dtype)
+    u = numerics.cdist(anchors.detach(), keys).mean(0) + _EPS if u is None else u[classes].to(anchors.dtype)
     remap = torch.full((has.shape[0],), -1, dtype=torch.long, device=labels.device)
     remap[classes] = torch.arange(classes.numel(), device=labels.device)
     return F.cross_entropy(cos / u[None, :] / tau, remap[y])
@@ -325,7 +326,7 @@ class FedSKC(Algorithm):
             logits = embed_in_chunks(model, client.x)
             model.train()
             glob = payload.arrays["protos"].to(logits.device)
-            scratch["u_round"] = torch.cdist(self._anchor(logits), glob).mean(0) + _EPS
+            scratch["u_round"] = numerics.cdist(self._anchor(logits), glob).mean(0) + _EPS
         return scratch
 
     def _anchor(self, logits: Tensor) -> Tensor:
@@ -358,7 +359,7 @@ class FedSKC(Algorithm):
             return torch.ones(glob.shape[0], dtype=anchor.dtype, device=anchor.device)
         if self.p.u_mode == "round":
             return scratch["u_round"]
-        dist = torch.cdist(anchor.detach(), glob.to(anchor.dtype))  # [B, C]
+        dist = numerics.cdist(anchor.detach(), glob.to(anchor.dtype))  # [B, C]
         if self.p.u_mode == "scalar":
             return dist[:, has].mean().expand(glob.shape[0]) + _EPS
         return dist.mean(0) + _EPS

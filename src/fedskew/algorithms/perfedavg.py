@@ -37,6 +37,7 @@ from pydantic import Field
 from torch import Tensor
 from torch.func import functional_call, grad, grad_and_value, jvp
 
+from fedskew import numerics
 from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
@@ -153,7 +154,8 @@ class PerFedAvg(Algorithm):
 
         def hessian_loss(params: Weights, x: Tensor, y: Tensor) -> Tensor:  # running statistics: on copies
             buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-            return F.cross_entropy(functional_call(model, {**params, **buffers}, (x,)), y)
+            # differentiated forward-over-reverse: the CPU-portable form (fedskew.numerics)
+            return numerics.cross_entropy(functional_call(model, {**params, **buffers}, (x,)), y)
 
         hf = self.p.variant == "hf"
         parts = batch_parts(batch, 3 if hf else 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ def channel_stats(x: Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
         mean = (hist * levels).sum() / n
         var = (hist * (levels - mean) ** 2).sum() / n
         means.append(round(float(mean), 4))
-        stds.append(round(float(var.sqrt()), 4))
+        stds.append(round(math.sqrt(float(var)), 4))
     return tuple(means), tuple(stds)
 
 

@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from fedskew import numerics
 from fedskew.engine.sgd import SGD, apply_step, sgd_directions
 from fedskew.errors import ConfigError
 from fedskew.settings import ClientSection
@@ -96,16 +97,16 @@ def adamw_update(
         counts = torch.as_tensor(count, dtype=dtype, device=dev)
         rates = torch.as_tensor(lr, dtype=dtype, device=dev)
         step_size = rates / -torch.expm1(counts * _log(b1))
-        bc2_sqrt = (-torch.expm1(counts * _log(b2))).sqrt()
+        bc2_sqrt = numerics.sqrt(-torch.expm1(counts * _log(b2)))
         for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True):
             if weight_decay:
                 p.mul_(_per_client(1 - rates * weight_decay, p))
-            denom = (v.sqrt() / _per_client(bc2_sqrt, p)).add_(eps)
+            denom = (numerics.sqrt(v) / _per_client(bc2_sqrt, p)).add_(eps)
             p.sub_(_per_client(step_size, p) * m / denom)
         return
     if weight_decay:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    denoms = numerics.foreach_sqrt(exp_avg_sqs)  # correctly rounded on every CPU
     torch._foreach_div_(denoms, (1 - b2**count) ** 0.5)
     torch._foreach_add_(denoms, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / (1 - b1**count))

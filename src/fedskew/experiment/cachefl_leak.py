@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew import numerics
 from fedskew.algorithms.cachefl import affinity, cache_gradient
 from fedskew.errors import DataError
 
@@ -154,7 +155,7 @@ def _multipliers(phi: Tensor, coords: tuple[Tensor, Tensor], model: PublicModel)
     """m(φ, y) / (α β) ``[P, N(y), N·K]`` for unit span coordinates φ ``[P, r]`` and every label y: a_j·g_c(j)
     with g = softmax(z) − e_y (Eqs. 6–8); ``coords`` are the keys and W_text in span coordinates."""
     keys, text = coords
-    a = torch.exp(-model.beta * (1.0 - phi @ keys.T))
+    a = numerics.exp(-model.beta * (1.0 - phi @ keys.T))
     p = (model.scale * phi @ text.T + model.alpha * a @ model.values).softmax(-1)
     g = p[:, None, :] - torch.eye(model.num_classes, dtype=p.dtype)
     return (g @ model.values.T) * a[:, None, :]
@@ -192,7 +193,7 @@ def match_batch(
     coords = (m.keys @ basis, m.text @ basis)
     if batch == 2:
         t = torch.arange(grid, dtype=torch.float64) * (2 * torch.pi / grid)
-        phi = torch.stack([t.cos(), t.sin()], 1)
+        phi = torch.stack([numerics.cos(t), numerics.sin(t)], 1)
     else:
         gen = torch.Generator().manual_seed(int(seed))
         phi = F.normalize(torch.randn(grid, batch, generator=gen, dtype=torch.float64), dim=1)

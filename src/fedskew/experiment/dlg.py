@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew import numerics
 from fedskew.errors import ConfigError
 
 
@@ -99,7 +100,7 @@ def target_gradient(
 def psnr(x: Tensor, reference: Tensor, data_range: float = 1.0) -> Tensor:
     """Per-image PSNR in dB, ``10 log10(range² / MSE)`` over all pixels of each image (inf when equal)."""
     mse = (x.float() - reference.float()).pow(2).flatten(1).mean(1)
-    return 10 * torch.log10(data_range**2 / mse)
+    return 10 * numerics.log10(data_range**2 / mse)
 
 
 @dataclass

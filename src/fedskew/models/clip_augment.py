@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from fedskew import numerics
 from fedskew.seeding import derive_seed
 
 SCALE = (0.5, 1.0)  # Tip-Adapter's RandomResizedCrop scale
@@ -47,9 +48,9 @@ def crop_boxes(n: int, height: int, width: int, gen: torch.Generator) -> Tensor:
     area = height * width
     share = torch.empty(n, TRIES).uniform_(*SCALE, generator=gen)
     log_ratio = torch.empty(n, TRIES).uniform_(math.log(RATIO[0]), math.log(RATIO[1]), generator=gen)
-    ratio = log_ratio.exp()
-    w = torch.round(torch.sqrt(area * share * ratio)).long()
-    h = torch.round(torch.sqrt(area * share / ratio)).long()
+    ratio = numerics.exp(log_ratio)
+    w = torch.round(numerics.sqrt(area * share * ratio)).long()
+    h = torch.round(numerics.sqrt(area * share / ratio)).long()
     ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
     first = ok.int().argmax(1, keepdim=True)  # the first try that fits
     h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)

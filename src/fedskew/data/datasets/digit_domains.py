@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew import numerics
 from fedskew.data.base import DATASETS, Dataset
 from fedskew.errors import ConfigError, DataError
 
@@ -204,7 +205,7 @@ def _gaussian_blur(img: Tensor, sigma: Tensor, radius: int = 2) -> Tensor:
     """Per-sample isotropic Gaussian blur (separable, batched as a grouped convolution)."""
     n, c, h, w = img.shape
     ar = torch.arange(-radius, radius + 1, dtype=torch.float32)
-    k = torch.exp(-(ar[None] ** 2) / (2 * sigma.clamp_min(1e-3)[:, None] ** 2))
+    k = numerics.exp(-(ar[None] ** 2) / (2 * sigma.clamp_min(1e-3)[:, None] ** 2))
     k = k / k.sum(1, keepdim=True)  # [n, 2r+1]; sigma ~ 0 gives a delta
     k = k.repeat_interleave(c, 0)  # one kernel per (sample, channel)
     flat = img.reshape(1, n * c, h, w)

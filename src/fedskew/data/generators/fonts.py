@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew import numerics
 from fedskew.data.generators import GENERATORS, GeneratedImages
 from fedskew.errors import ConfigError
 
@@ -206,7 +207,7 @@ def fonts_generator(
     zoom = 0.7 / (scale[0] + (scale[1] - scale[0]) * torch.rand(n, generator=g))
     angle = (2 * torch.rand(n, generator=g) - 1) * math.radians(rotation)
     shift = (2 * torch.rand(n, 2, generator=g) - 1) * 2 * jitter
-    cos, sin = angle.cos() * zoom, angle.sin() * zoom
+    cos, sin = numerics.cos(angle) * zoom, numerics.sin(angle) * zoom
     theta = torch.stack(
         [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
     )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fedskew import numerics
 from fedskew.data.generators import GENERATORS, GeneratedImages
 
 
@@ -23,11 +24,12 @@ def procedural(
     n_cls = len(class_names)
     labels = torch.arange(n_cls).repeat_interleave(per_class)
     hue = labels.float() / max(n_cls, 1) * 2 * math.pi
-    colour = torch.stack([hue.cos(), (hue + 2.1).cos(), (hue + 4.2).cos()], 1) * 0.4 + 0.5  # [N, 3]
+    phases = hue[:, None] + torch.tensor([0.0, 2.1, 4.2])
+    colour = numerics.cos(phases) * 0.4 + 0.5  # [N, 3]
     freq = (1 + labels % 5).float()
     phase = torch.rand(labels.numel(), generator=g) * 2 * math.pi
     axis = torch.linspace(0, 2 * math.pi, size)
-    stripes = torch.sin(freq[:, None, None] * axis[None, :, None] + phase[:, None, None])  # [N, H, 1]
+    stripes = numerics.sin(freq[:, None, None] * axis[None, :, None] + phase[:, None, None])  # [N, H, 1]
     pattern = 0.5 + 0.5 * stripes.expand(-1, size, size)
     brightness = 0.8 + 0.4 * torch.rand(labels.numel(), 1, 1, 1, generator=g)
     img = colour[:, :, None, None] * pattern[:, None] * brightness
