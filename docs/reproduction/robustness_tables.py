@@ -28,8 +28,10 @@ TABLES = [
      ["robust-dir/dir0.3"], "accuracy", "defence.name=mean"),
     ("Backdoor (target 0), 10% and 30% malicious: clean accuracy and attack success rate", ["backdoor"],
      "accuracy,attack_success_rate", None),
-    ("DP-FedAvg: accuracy against ε (δ = 1e-5) and the non-private run", ["dp"], "accuracy,epsilon",
-     "nonprivate"),
+    ("DP-FedAvg (fixed-size sample, replace-one, calibrated with RDP): accuracy against ε (δ = 1e-5) and "
+     "the non-private run", ["dp/fmnist-dp", "dp/nonprivate"], "accuracy,epsilon_rdp", "nonprivate"),
+    ("DP-FedAvg (Poisson sample, add/remove, calibrated with PLD): accuracy against ε (δ = 1e-5) and the "
+     "non-private run", ["dp/poisson", "dp/nonprivate"], "accuracy,epsilon_rdp,epsilon_pld", "nonprivate"),
 ]  # fmt: skip
 
 

@@ -306,3 +306,24 @@ class PrivacySection(_Section):
     target_epsilon: float | None = Field(None, description="calibrate z to reach this ε at the last round")
     delta: float | None = Field(None, description="δ of the (ε, δ) guarantee, e.g. 1e-5 or 1/num_clients")
     adaptive: AdaptiveClip | None = Field(None, description="adaptive quantile clipping (central only)")
+    randomness: Literal["secret", "reproducible"] = Field(
+        "secret",
+        description="secret: the noise and the client sample come from the OS's cryptographic source and are "
+        "written nowhere (the guarantee); reproducible: both follow from the seed, for tests and debugging "
+        "only: NOT private, no ε is reported",
+    )
+    sampling: Literal["fixed", "poisson"] = Field(
+        "fixed",
+        description="fixed: m = fraction·N clients without replacement each round; poisson: each client "
+        "independently with q = m/N, the noisy sum divided by the fixed qN (McMahan et al. 2018)",
+    )
+    adjacency: Literal["replace_one", "add_remove"] = Field(
+        "replace_one",
+        description="neighbouring federations: one client's data replaced (sensitivity 2C) or one client "
+        "added/removed (sensitivity C, needs sampling=poisson); the noise std is z times it",
+    )
+    accountant: Literal["rdp", "pld"] = Field(
+        "rdp",
+        description="the accountant of the reported ε and of target_epsilon's calibration: rdp (an upper "
+        "bound) or pld (tight; poisson sampling or local DP); both are reported in summary.json",
+    )

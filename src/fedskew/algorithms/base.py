@@ -207,6 +207,12 @@ class Algorithm:
     #: attributes a hook may fill on ``self``: caches that are pure functions of the context (MOON's frozen
     #: reference networks per architecture). Any other attribute a hook changes breaks the contract.
     working_buffers: ClassVar[frozenset[str]] = frozenset()
+    #: ``aggregate`` reads per-client scalars the uploads report in ``config`` (FedNova's ‖a_i‖₁): unbounded
+    #: statistics of a client's data, which client-level DP cannot cover (refused under ``privacy``)
+    reads_client_scalars: ClassVar[bool] = False
+    #: a client's upload carries its sample count and training loss; ``False`` (local DP, whose server is not
+    #: trusted): every upload counts 1 and reports no loss
+    discloses_client_statistics: ClassVar[bool] = True
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params
@@ -231,6 +237,15 @@ class Algorithm:
         """FedAvg (McMahan et al. 2017): the new server state, the sample-weighted mean of the uploads."""
         weights = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
         return ServerUpdate({**server, "weights": weights})
+
+    def released(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What of a round's metrics record the run writes (metrics files, trackers, Flower's records):
+        all of it, except under DP (``fedskew.algorithms.security``)."""
+        return record
+
+    def run_summary(self) -> dict[str, Any]:
+        """Entries the method adds to ``summary.json`` (DP: the guarantee and its accounting)."""
+        return {}
 
     def aggregate_mean(
         self, server: State, mean: dict[str, Tensor], uploads: list[Upload], info: RoundInfo

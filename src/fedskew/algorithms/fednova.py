@@ -80,6 +80,7 @@ class FedNova(Algorithm):
     """FedNova (Wang et al. 2020): normalised averaging of local updates, rescaled by τ_eff."""
 
     mean_aggregation = True
+    reads_client_scalars = True  # τ_eff from each client's ‖a_i‖₁ (Eq. 6): refused under DP
     vectorizable = True
     loss_reads = frozenset({"payload"})  # the proximal anchor (mu > 0)
 

@@ -17,6 +17,7 @@ run in, nor on the process that runs them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,8 +51,6 @@ from fedskew.settings import ClientSection
 __all__ = ["NonFiniteLoss", "epoch_batches", "train_client"]
 
 log = logging.getLogger("fedskew.engine")
-
-
 
 
 @dataclass
@@ -116,9 +115,11 @@ def finish_client(
     done = rt.algorithm.finish_local(client.step.replace(model=model), result)
     if check and not finite_upload(done.upload, client.info.round, client.cid):
         return out
-    out.accept(Upload(cid=client.cid, num_samples=client.step.client.num_samples, payload=done.upload))
+    discloses = rt.algorithm.discloses_client_statistics  # local DP: no sample count, no loss leave
+    n = client.step.client.num_samples if discloses else 1
+    out.accept(Upload(cid=client.cid, num_samples=n, payload=done.upload))
     out.state = tree_to(done.state, "cpu")
-    out.loss = result.loss
+    out.loss = result.loss if discloses else math.nan
     return out
 
 

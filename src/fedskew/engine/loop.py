@@ -31,6 +31,7 @@ from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.folding import FoldingExecutor, folds_uploads
 from fedskew.engine.policy import check_rejected
+from fedskew.engine.sampling import Schedule
 from fedskew.engine.states import ClientStates, JobStates
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
 
@@ -54,11 +55,11 @@ class RoundOutcome:
 @dataclass(frozen=True)
 class RoundPlan:
     """What the transaction follows besides its parts: the pre-drawn sample of clients of every round
-    (``[rounds, clients per round]``, :func:`fedskew.engine.sampling.sampling_schedule`), the number of
+    (row ``r − 1`` for round ``r``, :func:`fedskew.engine.sampling.client_schedule`), the number of
     clients, how often to evaluate, the run's seed, ``engine.on_client_error`` and the device the server
     state lives on."""
 
-    schedule: np.ndarray
+    schedule: Schedule
     num_clients: int
     every: int
     seed: int
@@ -68,7 +69,7 @@ class RoundPlan:
 
     @property
     def rounds(self) -> int:
-        return int(self.schedule.shape[0])
+        return len(self.schedule)
 
 
 class Simulation:
@@ -143,6 +144,7 @@ class Simulation:
         if r % self.every == 0 or r == self.rounds:
             record = self._record(r, server, states, outcomes, traffic)
             record.update({} if update is None else update.metrics)
+            record = self.algorithm.released(record)
         t3 = time.perf_counter()
         # commit (the store first: nothing else has changed if it raises)
         self.states.commit(r, states)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedskew.algorithms.security.randomness import poisson_sample, secret_sample
 from fedskew.seeding import derive_seed
+from fedskew.settings import PrivacySection
 
-__all__ = ["clients_per_round", "derive_seed", "sampling_schedule"]
+__all__ = ["client_schedule", "clients_per_round", "derive_seed", "sampling_schedule"]
+
+#: a round's sampled clients, round by round (rows of one length, or of any length under Poisson sampling)
+Schedule = np.ndarray | list[np.ndarray]
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -25,3 +30,23 @@ def sampling_schedule(num_clients: int, fraction: float, rounds: int, seed: int)
     rng = np.random.default_rng(derive_seed(seed, 0x5A3B1E))
     keys = rng.random((rounds, num_clients))
     return np.sort(np.argpartition(keys, m - 1, axis=1)[:, :m], axis=1).astype(np.int64)
+
+
+def client_schedule(
+    num_clients: int, fraction: float, rounds: int, seed: int, privacy: PrivacySection
+) -> Schedule:
+    """The run's sample of clients, round by round. Without DP (or with ``privacy.randomness:
+    reproducible``) it follows from the seed (:func:`sampling_schedule`: every method sees the same
+    clients, so comparisons are paired). A DP run with secret randomness draws it from the OS's
+    cryptographic source, never stored: amplification by sampling assumes nobody knows the sample
+    (docs/decisions.md, "DP: secret randomness"). ``privacy.sampling: poisson`` includes each client
+    independently with ``q = m / N``."""
+    m = clients_per_round(num_clients, fraction)
+    dp = privacy.mechanism != "none"
+    secret = dp and privacy.randomness == "secret"
+    if dp and privacy.sampling == "poisson":
+        rng = None if secret else np.random.default_rng(derive_seed(seed, 0x5A3B1E, 1))
+        return poisson_sample(num_clients, m / num_clients, rounds, rng)
+    if secret and m < num_clients:
+        return secret_sample(num_clients, m, rounds)
+    return sampling_schedule(num_clients, fraction, rounds, seed)

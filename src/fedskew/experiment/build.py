@@ -26,7 +26,7 @@ from fedskew.engine.loop import RoundPlan, Simulation
 from fedskew.engine.modes import EmbeddedExecutor, memory_format
 from fedskew.engine.probes import BackdoorProbe
 from fedskew.engine.runtime import ClientRuntime, ModelCache
-from fedskew.engine.sampling import clients_per_round, sampling_schedule
+from fedskew.engine.sampling import client_schedule, clients_per_round
 from fedskew.engine.states import SpillingStates
 from fedskew.errors import ConfigError
 from fedskew.experiment.config import Config, VisionLanguageConfig, parse_client_range
@@ -203,7 +203,7 @@ def central(
 def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
     """The run's pre-drawn sampling stream, evaluation cadence and failure policy."""
     return RoundPlan(
-        schedule=sampling_schedule(num_clients, cfg.client.fraction, cfg.rounds, cfg.seed),
+        schedule=client_schedule(num_clients, cfg.client.fraction, cfg.rounds, cfg.seed, cfg.privacy),
         num_clients=num_clients,
         every=cfg.eval.every,
         seed=cfg.seed,

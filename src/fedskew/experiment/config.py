@@ -336,12 +336,15 @@ def check_node_source(cfg: Config) -> None:
 
 def _check_security(cfg: Config, alg: Any, eligible: list[str]) -> None:
     """The threat model and protections against the federation and the method (one-line errors)."""
-    from fedskew.algorithms.security.config import check_algorithm, security_plan
+    from fedskew.algorithms.security.config import check_algorithm, check_private_run, security_plan
     from fedskew.engine.sampling import clients_per_round
 
     sections = (cfg.attack, cfg.defence, cfg.privacy)
     heterogeneous = bool(cfg.model.per_client)
     check_algorithm(cfg.algorithm.name, alg.mean_aggregation, heterogeneous, eligible, sections)
+    check_private_run(
+        cfg.privacy, cfg.algorithm.name, alg.reads_client_scalars, cfg.eval.protocol, cfg.data.source
+    )
     n = cfg.data.num_clients
     m = clients_per_round(n, cfg.client.fraction)
     security_plan(*sections, num_clients=n, per_round=m, rounds=cfg.rounds, seed=cfg.seed)

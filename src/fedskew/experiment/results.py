@@ -232,6 +232,9 @@ def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
         if k.startswith(("accuracy", "loss", "val_", "epsilon", "attack_"))
     }
     final.update(client_fairness(client_accuracies(last)))  # personalized protocol: who is left behind
+    extra = sim.algorithm.run_summary()  # DP: the guarantee, ε from both accountants with their adjacency
+    privacy = extra.get("privacy", {})
+    final.update({k: privacy[k] for k in ("epsilon_rdp", "epsilon_pld") if isinstance(privacy.get(k), float)})
     summary: dict[str, Any] = {
         "final": final,
         "rounds": sim.round,
@@ -246,6 +249,7 @@ def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
         "protocol": cfg.eval.protocol,
         "skipped_rounds": list(sim.skipped),
         "version": fedskew.__version__,
+        **extra,
     }
     evaluated = [r for r in sim.history if r.get("val_accuracy") is not None]
     if evaluated:  # best round chosen on validation only; its test accuracy reported beside

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -48,9 +49,45 @@ class SecurityPlan:
         return _noise_and_epsilons(self.privacy, self.num_clients, self.per_round, self.rounds)[0]
 
     @property
-    def epsilons(self) -> tuple[float, ...]:
-        """ε after each round (empty without privacy)."""
+    def effective_noise(self) -> float:
+        """The noise multiplier the accountant sees (z_eff under adaptive clipping, else ``noise``)."""
         return _noise_and_epsilons(self.privacy, self.num_clients, self.per_round, self.rounds)[1]
+
+    @property
+    def epsilons(self) -> tuple[float, ...]:
+        """ε after each round from ``privacy.accountant``; empty without privacy and in a reproducible run,
+        which is not private (``NOT_PRIVATE``)."""
+        if not self.private:
+            return ()
+        return _noise_and_epsilons(self.privacy, self.num_clients, self.per_round, self.rounds)[2]
+
+    @property
+    def private(self) -> bool:
+        """A DP run whose noise and sample are secret: the only kind that reports ε as a guarantee."""
+        return self.privacy.mechanism != "none" and self.privacy.randomness == "secret"
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """The L2 sensitivity of the sum in units of C: 2 (replace-one) or 1 (add/remove)."""
+        return 2.0 if self.privacy.adjacency == "replace_one" else 1.0
+
+    def accounting(self) -> dict[str, object]:
+        """``summary.json``'s ``privacy`` entry: the mechanism, and ε from both accountants with their
+        adjacency (``None`` with the reason where an accountant does not cover the mechanism)."""
+        p = self.privacy
+        out: dict[str, object] = {
+            "mechanism": p.mechanism, "randomness": p.randomness, "sampling": p.sampling,
+            "adjacency": p.adjacency, "accountant": p.accountant, "delta": p.delta,
+            "noise_multiplier": self.noise, "clip": p.clip,
+        }  # fmt: skip
+        if not self.private:
+            out["guarantee"] = NOT_PRIVATE
+            return out
+        out["guarantee"] = f"({self.epsilons[-1]:.4g}, {p.delta})-DP" if self.epsilons else "none"
+        accountants: tuple[Literal["rdp", "pld"], ...] = ("rdp", "pld")
+        for name in accountants:
+            out[f"epsilon_{name}"], out[f"{name}_note"] = _final_epsilon(p, name, self)
+        return out
 
     @property
     def active(self) -> bool:
@@ -130,35 +167,97 @@ def _check_privacy(privacy: PrivacySection, defence: DefenceSection) -> None:
             f"defence.name={defence.name} with privacy: a robust rule changes the sensitivity the accountant "
             "assumes; allowed with privacy: mean (clipping already bounds every update)"
         )
+    if importlib.util.find_spec("dp_accounting") is not None:
+        from fedskew.algorithms.security import accounting
+
+        local = privacy.mechanism == "local"
+        why = accounting.unsupported(privacy.accountant, privacy.sampling, privacy.adjacency, local)
+        if why is not None:
+            raise ConfigError(f"privacy.accountant={privacy.accountant}: {why}")
+
+
+def check_private_run(
+    privacy: PrivacySection, algorithm: str, reads_client_scalars: bool, protocol: str, data_source: str
+) -> None:
+    """Refuse (one line) what would release an unnoised statistic of client data from a DP run: a method
+    whose aggregation reads per-client scalars, personal models (trained on client data, never noised) and
+    evaluation on the nodes' own test sets."""
+    if privacy.mechanism == "none":
+        return
+    if reads_client_scalars:
+        raise ConfigError(
+            f"privacy.mechanism={privacy.mechanism}: algorithm '{algorithm}' aggregates per-client scalars "
+            "its clients report (unbounded, so no noise covers them); allowed: a method whose aggregation is "
+            "a mean of the uploads, e.g. fedavg, fedprox, fedadam"
+        )
+    if protocol == "personalized":
+        raise ConfigError(
+            "privacy with eval.protocol=personalized: personal models and per-client scores are statistics "
+            "of client data that the mechanism does not noise; allowed: global"
+        )
+    if data_source == "nodes":
+        raise ConfigError(
+            "privacy with data.source=nodes: the nodes would score the model on their own test data and send "
+            "unnoised counts; allowed: data.source=partition"
+        )
+
+
+#: what a DP run with ``privacy.randomness: reproducible`` says instead of ε (summary.json, the log)
+NOT_PRIVATE = (
+    "not private: privacy.randomness=reproducible derives the noise and the client sample from the seed, "
+    "which the run's own files publish; no ε is reported"
+)
+
+
+def _final_epsilon(
+    privacy: PrivacySection, accountant: Literal["rdp", "pld"], plan: SecurityPlan
+) -> tuple[float | None, str]:
+    """ε after the last round from ``accountant`` at the plan's noise (``None`` and why when it does not
+    cover the mechanism), with its adjacency in words."""
+    from fedskew.algorithms.security import accounting
+
+    local = privacy.mechanism == "local"
+    why = accounting.unsupported(accountant, privacy.sampling, privacy.adjacency, local)
+    if why is not None:
+        return None, why
+    assert privacy.delta is not None
+    eps = accounting.epsilon(
+        plan.num_clients, plan.per_round, plan.effective_noise, plan.rounds, privacy.delta, local,
+        accountant=accountant, sampling=privacy.sampling, adjacency=privacy.adjacency,
+    )  # fmt: skip
+    return float(eps), accounting.describe(accountant, privacy.sampling, privacy.adjacency, local)
 
 
 @functools.lru_cache(maxsize=16)  # per process: the plan asks on every round
 def _noise_and_epsilons(
     privacy: PrivacySection, n: int, m: int, rounds: int
-) -> tuple[float, tuple[float, ...]]:
-    """The update noise multiplier and ε after each round (one line naming the key when impossible)."""
+) -> tuple[float, float, tuple[float, ...]]:
+    """The update noise multiplier, the effective one the accountant sees (they differ under adaptive
+    clipping) and ε after each round from ``privacy.accountant`` (one line naming the key when impossible)."""
     if privacy.mechanism == "none":
-        return 0.0, ()
+        return 0.0, 0.0, ()
     if importlib.util.find_spec("dp_accounting") is None:
         raise ConfigError(
             "privacy: the 'dp-accounting' package is not installed; pip install 'fedskew[privacy]'"
         )
     from fedskew.algorithms.security import accounting
 
-    local = privacy.mechanism == "local"
-    assert privacy.delta is not None
+    local, delta = privacy.mechanism == "local", privacy.delta
+    kinds = {"accountant": privacy.accountant, "sampling": privacy.sampling, "adjacency": privacy.adjacency}
+    assert delta is not None
     try:
         z = privacy.noise_multiplier
         if z is None:
             assert privacy.target_epsilon is not None
-            z = accounting.noise_for_epsilon(privacy.target_epsilon, privacy.delta, n, m, rounds, local=local)
-        curve = accounting.epsilon_curve(n, m, z, rounds, privacy.delta, local=local)
+            z = accounting.noise_for_epsilon(privacy.target_epsilon, delta, n, m, rounds, local, **kinds)  # type: ignore[arg-type]
+        curve = accounting.epsilon_curve(n, m, z, rounds, delta, local, **kinds)  # type: ignore[arg-type]
+        effective = z
         if privacy.adaptive is not None:  # the update noise that leaves the effective z (Andrew et al. §3.1)
             z = accounting.update_noise_for(z, count_noise(privacy.adaptive, m))
     except ValueError as err:
         where = "privacy.adaptive.count_noise" if "count_noise" in str(err) else "privacy"
         raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
-    return float(z), tuple(curve)
+    return float(z), float(effective), tuple(curve)
 
 
 def count_noise(adaptive: AdaptiveClip, per_round: int) -> float:

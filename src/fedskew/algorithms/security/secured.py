@@ -25,6 +25,8 @@ value (their counts kept), so any method whose aggregation is a mean of the uplo
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -46,12 +48,39 @@ from fedskew.algorithms.base import (
     Upload,
 )
 from fedskew.algorithms.security import attacks, robust
-from fedskew.algorithms.security.config import SecurityPlan, count_noise
+from fedskew.algorithms.security.config import NOT_PRIVATE, SecurityPlan, count_noise
+from fedskew.algorithms.security.randomness import secret_normal
 from fedskew.settings import DATA_ATTACKS, UPDATE_ATTACKS, AttackSection
 
 MALICIOUS = "security.malicious"  # the derived flag of a malicious client (0-d float tensor)
 CLIP_KEY = "dp_clip"  # server state: the current clip norm (adaptive clipping)
 _NOISE_KEY, _ATTACK_KEY, _COUNT_KEY = 0xD9, 0xA7, 0xC0
+log = logging.getLogger(__name__)
+
+#: what a DP run's records carry: the (noised) global model scored on the server's test set, traffic and
+#: timing fixed by the model's shapes and the sample, the accounting and the clip norm (a function of the
+#: noisy count under adaptive clipping). Everything else (training loss, the unclipped share, validation
+#: scores on client samples, method scalars) is a statistic of client data no noise covers: withheld.
+DP_RELEASED = frozenset(
+    {"round", "accuracy", "loss", "epsilon", "epsilon_rdp", "epsilon_pld", "dp_clip", "bytes_up",
+     "bytes_down", "round_bytes_up", "round_bytes_down", "round_params_up", "round_params_down", "seconds",
+     "seconds_train", "seconds_eval", "skipped", "dropped"}
+)  # fmt: skip
+#: per-head accuracies of the global model on the server's test set (``accuracy_<head>``, its ``_std``)
+_DP_RELEASED_PREFIX = "accuracy_"
+_DP_WITHHELD_PREFIXES = ("accuracy_clients", "accuracy_weighted")
+
+
+def dp_released(record: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A DP run's record reduced to ``DP_RELEASED`` (and the global model's per-head accuracies), and the
+    keys withheld."""
+
+    def kept(key: str) -> bool:
+        if key in DP_RELEASED:
+            return True
+        return key.startswith(_DP_RELEASED_PREFIX) and not key.startswith(_DP_WITHHELD_PREFIXES)
+
+    return {k: v for k, v in record.items() if kept(k)}, sorted(k for k in record if not kept(k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +108,14 @@ class Layout:
         rows = [torch.cat([u.payload.arrays[k].reshape(-1) for k in self.keys]) for u in uploads]
         return torch.stack(rows) - self.reference
 
-    def with_delta(self, upload: Upload, delta: Tensor, num_samples: int | None = None) -> Upload:
-        """A new upload whose floating arrays are ``reference + delta`` (other arrays and config kept)."""
-        flat, arrays, start = self.reference + delta, dict(upload.payload.arrays), 0
+    def with_delta(
+        self, upload: Upload, delta: Tensor, num_samples: int | None = None, public: Payload | None = None
+    ) -> Upload:
+        """A new upload whose floating arrays are ``reference + delta`` (other arrays and config kept; with
+        ``public``, its non-floating arrays are ``public``'s: integer buffers such as BatchNorm's batch
+        counts are statistics of client data that DP does not noise)."""
+        arrays = dict(upload.payload.arrays) if public is None else public_integers(upload.payload, public)
+        flat, start = self.reference + delta, 0
         for k, shape in zip(self.keys, self.shapes, strict=True):
             size = shape.numel()
             arrays[k] = flat[start : start + size].reshape(shape)
@@ -89,6 +123,23 @@ class Layout:
         payload = Payload(arrays, dict(upload.payload.config), dict(upload.payload.metrics))
         n = upload.num_samples if num_samples is None else num_samples
         return Upload(upload.cid, n, payload)
+
+
+@functools.lru_cache(maxsize=8)  # one line per process and set of keys, not one per round
+def _announce_withheld(keys: tuple[str, ...]) -> None:
+    what = "privacy: withheld from the records (client-data statistics no noise covers)"
+    log.info("%s: %s", what, ", ".join(keys))
+
+
+def public_integers(upload: Payload, broadcast: Payload) -> dict[str, Tensor]:
+    """``upload``'s arrays with each non-floating one replaced by the broadcast's (zeros where the server
+    sent none)."""
+    arrays = dict(upload.arrays)
+    for k, v in upload.arrays.items():
+        if not v.is_floating_point():
+            sent = broadcast.arrays.get(k)
+            arrays[k] = torch.zeros_like(v) if sent is None else sent.to(v.device, v.dtype)
+    return arrays
 
 
 #: a malicious client's update from its honest one: (Δ, attack section, its generator) -> Δ'
@@ -133,14 +184,39 @@ class SecuredAlgorithm(Algorithm):
         upload = Upload(step.client.cid, step.client.num_samples, out.upload)
         layout = Layout.of(upload, step.payload)
         clipped, _ = robust.clip_rows(layout.deltas([upload]), privacy.clip)
-        gen = step.info.generator(_NOISE_KEY)
-        noise = torch.randn(clipped.shape[1], generator=gen, dtype=clipped.dtype).to(clipped.device)
-        noisy = clipped[0] + self.security.noise * 2 * privacy.clip * noise
-        return dataclasses.replace(out, upload=layout.with_delta(upload, noisy).payload)
+        noise = self._noise(clipped.shape[1], clipped, step.info, _NOISE_KEY)
+        noisy = clipped[0] + self.security.noise * self.security.sensitivity_factor * privacy.clip * noise
+        sent = layout.with_delta(upload, noisy, public=step.payload).payload
+        # the server is not trusted: nothing but the noised arrays leaves (no method scalars, no loss)
+        return dataclasses.replace(out, upload=Payload(sent.arrays))
+
+    def _noise(self, n: int, like: Tensor, info: RoundInfo, key: int) -> Tensor:
+        """``n`` N(0, 1) draws: secret (the OS's cryptographic source, stored nowhere) unless the run asked
+        for ``privacy.randomness: reproducible`` (seed-derived: not private)."""
+        if self.security.privacy.randomness == "secret":
+            return secret_normal(n, like.dtype, like.device)
+        return torch.randn(n, generator=info.generator(key), dtype=like.dtype).to(like.device)
+
+    def released(self, record: dict[str, Any]) -> dict[str, Any]:
+        record = super().released(record)
+        if self.security.privacy.mechanism == "none":
+            return record
+        kept, withheld = dp_released(record)
+        if withheld:
+            _announce_withheld(tuple(withheld))
+        return kept
+
+    def run_summary(self) -> dict[str, Any]:
+        summary = super().run_summary()
+        if self.security.privacy.mechanism == "none":
+            return summary
+        return {**summary, "privacy": self.security.accounting()}
 
     # ------------------------------------------------------------------ server
     def init_server(self, model: Any) -> State:
         server = super().init_server(model)
+        if self.security.privacy.mechanism != "none" and not self.security.private:
+            log.warning("privacy: %s", NOT_PRIVATE)
         if self.security.privacy.adaptive is not None:
             server = {
                 **server,
@@ -150,15 +226,18 @@ class SecuredAlgorithm(Algorithm):
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         plan = self.security
+        if plan.privacy.mechanism == "local":  # self-reported sample counts are not trusted: uniform
+            uploads = [dataclasses.replace(u, num_samples=1) for u in uploads]
         if not plan.touches_uploads or not uploads:
             update = super().aggregate(server, uploads, info)
             return self._with_privacy_metrics(update, info)
-        layout = Layout.of(uploads[0], self.broadcast(server, RoundInfo(info.round, None, info.seed)))
+        broadcast = self.broadcast(server, RoundInfo(info.round, None, info.seed))
+        layout = Layout.of(uploads[0], broadcast)
         deltas = layout.deltas(uploads)
         deltas = self._poison(deltas, uploads, info)
         metrics: dict[str, float] = {}
         if plan.privacy.mechanism == "central":
-            uploads, clip = self._central_dp(server, layout, deltas, uploads, info, metrics)
+            uploads, clip = self._central_dp(server, (layout, broadcast), deltas, uploads, info, metrics)
             server = {**server, CLIP_KEY: clip} if CLIP_KEY in server else server
         else:
             uploads = self._defend(layout, deltas, uploads, metrics)
@@ -224,31 +303,33 @@ class SecuredAlgorithm(Algorithm):
     def _central_dp(
         self,
         server: State,
-        layout: Layout,
+        layout_of: tuple[Layout, Payload],
         deltas: Tensor,
         uploads: list[Upload],
         info: RoundInfo,
         metrics: dict[str, float],
     ) -> tuple[list[Upload], Tensor]:
-        """DP-FedAvg: (Σ clip_C(Δ_k) + N(0, (z·2C)²)) / m, every upload carrying it with weight 1; with
-        adaptive clipping the next C from the noisy share of unclipped updates (Andrew et al. Alg. 1)."""
+        """DP-FedAvg: (Σ clip_C(Δ_k) + N(0, (z·S·C)²)) / m, S = 2 (replace-one) or 1 (add/remove), m the
+        fixed (expected, under Poisson sampling) clients per round, every upload carrying it with weight 1
+        and the broadcast's integer arrays; with adaptive clipping the next C from the noisy share of
+        unclipped updates (Andrew et al. Alg. 1)."""
         plan, privacy = self.security, self.security.privacy
+        layout, broadcast = layout_of
         clip = (
             server[CLIP_KEY] if CLIP_KEY in server else torch.tensor(float(privacy.clip), dtype=torch.float64)
         )
         c = float(clip)
         clipped, within = robust.clip_rows(deltas, c)
-        gen = RoundInfo(info.round, None, info.seed).generator(_NOISE_KEY)
-        noise = torch.randn(clipped.shape[1], generator=gen, dtype=clipped.dtype).to(clipped.device)
-        value = (clipped.sum(0) + plan.noise * 2 * c * noise) / plan.per_round
+        noise = self._noise(clipped.shape[1], clipped, info, _NOISE_KEY)
+        value = (clipped.sum(0) + plan.noise * plan.sensitivity_factor * c * noise) / plan.per_round
         metrics.update(dp_clip=c, dp_unclipped=float(within.sum()) / len(uploads))
         if privacy.adaptive is not None:
             ad, m = privacy.adaptive, plan.per_round
-            count_gen = RoundInfo(info.round, None, info.seed).generator(_COUNT_KEY)
-            noisy = float(within.sum()) + count_noise(ad, m) * float(torch.randn((), generator=count_gen))
+            draw = float(self._noise(1, clipped, info, _COUNT_KEY)[0])
+            noisy = float(within.sum()) + count_noise(ad, m) * draw
             share = noisy / m
             clip = clip * math.exp(-ad.lr * (share - ad.quantile))  # Andrew et al. Eq. (3): C ← C·e^{−η(b̃−γ)}
-        return [layout.with_delta(u, value, num_samples=1) for u in uploads], clip
+        return [layout.with_delta(u, value, num_samples=1, public=broadcast) for u in uploads], clip
 
 
 def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorithm]:
@@ -257,6 +338,8 @@ def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorith
     if not plan.active:
         return algorithm_cls
     attrs: dict[str, Any] = {"security": plan, "__module__": __name__, "name": algorithm_cls.name}
+    if plan.privacy.mechanism == "local":  # the server is not trusted: no sample counts, no losses
+        attrs["discloses_client_statistics"] = False
     if plan.attack.name in DATA_ATTACKS:
         attrs["loss_reads"] = algorithm_cls.loss_reads | {"derived"}
     return type(f"Secured{algorithm_cls.__name__}", (SecuredAlgorithm, algorithm_cls), attrs)
