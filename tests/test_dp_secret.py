@@ -169,7 +169,15 @@ def test_a_dp_run_writes_nothing_unnoised_about_client_data(
     assert {"train_loss", "dp_unclipped", "val_accuracy"}.isdisjoint(keys) and "withheld" in caplog.text
     assert set(summary["final"]) <= ALLOWED and "best_val" not in summary
     assert DP_RELEASED <= ALLOWED  # the code's list holds nothing this one refuses
+    # the rest of summary.json: the run's settings, its size and times, and the accounting
+    assert set(summary) == {
+        "final", "rounds", "wall_seconds", "bytes_up", "bytes_down", "seconds", "algorithm", "dataset",
+        "model", "seed", "protocol", "skipped_rounds", "version", "privacy",
+    }  # fmt: skip
     privacy = summary["privacy"]
+    assert set(privacy) == {"mechanism", "randomness", "sampling", "adjacency", "accountant", "delta",
+                            "noise_multiplier", "clip", "guarantee", "epsilon_rdp", "rdp_note", "epsilon_pld",
+                            "pld_note"}  # fmt: skip
     assert privacy["adjacency"] == "replace_one" and privacy["guarantee"].startswith("(")
     assert privacy["epsilon_rdp"] == pytest.approx(summary["final"]["epsilon"])
 
@@ -248,3 +256,32 @@ def test_a_poisson_run_reports_pld_beside_rdp(tmp_path: Path, mode: str) -> None
     assert summary["final"]["epsilon"] == pytest.approx(want, rel=1e-6)
     assert privacy["epsilon_pld"] == pytest.approx(want, rel=1e-6)
     assert privacy["epsilon_pld"] < privacy["epsilon_rdp"] and "add" in privacy["pld_note"]
+
+
+@pytest.mark.slow
+def test_local_dp_flower_replies_hold_only_noised_arrays(tmp_path: Path) -> None:
+    """Every train reply a node sends the (untrusted) server of a local-DP run, field by field."""
+    pytest.importorskip("flwr")
+    from tests.flower_loopback import LoopbackGrid
+    from tests.test_flower import on_flower
+
+    raw = dp_config()
+    raw["privacy"]["mechanism"] = "local"
+    raw["engine"] = {**raw.get("engine", {}), "nodes": 2}
+    grid, seen = LoopbackGrid(2), []
+
+    def record(reply: Any) -> Any:  # the loopback grid's hook on every reply; passes it on unchanged
+        seen.append(reply)
+        return reply
+
+    grid.faults = {0: record, 1: record}
+    on_flower(raw, tmp_path, grid)
+    trains = [m.content for m in seen if m.metadata.message_type == "train" and m.has_content()]
+    assert trains
+    for content in trains:
+        job = dict(content.config_records["job"])
+        assert set(job["samples"]) == {1} and all(math.isnan(v) for v in job["loss"])
+        payload_keys = [k for k in content.config_records if k != "job"] + list(content.metric_records)
+        assert all(not (content.config_records.get(k) or content.metric_records.get(k)) for k in payload_keys)
+        timing = {k for k in job if k.startswith(("seconds", "time_"))}  # the node's clock, not its data
+        assert set(job) - timing == {"accepted", "loss", "samples"}
