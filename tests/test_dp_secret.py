@@ -259,14 +259,16 @@ def test_a_poisson_run_reports_pld_beside_rdp(tmp_path: Path, mode: str) -> None
 
 
 @pytest.mark.slow
-def test_local_dp_flower_replies_hold_only_noised_arrays(tmp_path: Path) -> None:
-    """Every train reply a node sends the (untrusted) server of a local-DP run, field by field."""
+@pytest.mark.parametrize("mechanism", ["local", "central"])
+def test_dp_flower_replies_carry_no_client_statistics(tmp_path: Path, mechanism: str) -> None:
+    """Every train reply a node sends the server of a DP run, field by field: the arrays (noised under local
+    DP; clipped and noised by the trusted server under central DP), a count of 1, no loss, no scalars."""
     pytest.importorskip("flwr")
     from tests.flower_loopback import LoopbackGrid
     from tests.test_flower import on_flower
 
     raw = dp_config()
-    raw["privacy"]["mechanism"] = "local"
+    raw["privacy"]["mechanism"] = mechanism
     raw["engine"] = {**raw.get("engine", {}), "nodes": 2}
     grid, seen = LoopbackGrid(2), []
 

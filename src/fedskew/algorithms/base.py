@@ -210,8 +210,8 @@ class Algorithm:
     #: ``aggregate`` reads per-client scalars the uploads report in ``config`` (FedNova's ‖a_i‖₁): unbounded
     #: statistics of a client's data, which client-level DP cannot cover (refused under ``privacy``)
     reads_client_scalars: ClassVar[bool] = False
-    #: a client's upload carries its sample count and training loss; ``False`` (local DP, whose server is not
-    #: trusted): every upload counts 1 and reports no loss
+    #: a client's upload carries its sample count and training loss; ``False`` (DP runs: the mechanism needs
+    #: neither, and under local DP the server is not trusted): every upload counts 1 and reports no loss
     discloses_client_statistics: ClassVar[bool] = True
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:

@@ -338,8 +338,8 @@ def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorith
     if not plan.active:
         return algorithm_cls
     attrs: dict[str, Any] = {"security": plan, "__module__": __name__, "name": algorithm_cls.name}
-    if plan.privacy.mechanism == "local":  # the server is not trusted: no sample counts, no losses
-        attrs["discloses_client_statistics"] = False
+    if plan.privacy.mechanism != "none":  # no sample counts, no losses: the mechanism needs neither, and
+        attrs["discloses_client_statistics"] = False  # under local DP the server is not trusted
     if plan.attack.name in DATA_ATTACKS:
         attrs["loss_reads"] = algorithm_cls.loss_reads | {"derived"}
     return type(f"Secured{algorithm_cls.__name__}", (SecuredAlgorithm, algorithm_cls), attrs)
