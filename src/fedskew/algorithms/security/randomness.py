@@ -55,8 +55,6 @@ def poisson_sample(
 ) -> list[np.ndarray]:
     """Each round's Poisson sample: every client independently with probability ``q`` (from the OS's
     cryptographic source, or from ``rng`` for a reproducible run)."""
-    rows = []
-    for _ in range(rounds):
-        u = secret_uniform(num_clients) if rng is None else rng.random(num_clients)
-        rows.append(np.flatnonzero(u < q).astype(np.int64))
-    return rows
+    n = rounds * num_clients
+    u = (secret_uniform(n) if rng is None else rng.random(n)).reshape(rounds, num_clients)
+    return [np.flatnonzero(row < q).astype(np.int64) for row in u]
