@@ -16,6 +16,7 @@ that only holds on one kind of CPU. A deliberate change re-records (``python -m 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 from filelock import FileLock
 
 from tests.golden import isa
-from tests.golden.cases import RESULTS, TOLERANCES, case_names, mismatches, run_cases
+from tests.golden.cases import RESULTS, TOLERANCES, case_names, digest, mismatches, run_cases
 from tests.test_contract import package_algorithms
 
 GOLDEN = json.loads(RESULTS.read_text())
@@ -93,3 +94,11 @@ def test_metrics_match_the_golden_record(golden_runs: SharedRuns, kind: str, nam
     found = mismatches(run["cases"][name], GOLDEN["cases"][name], tolerance)
     how = "bit for bit" if exact else "within the measured drift"
     assert not found, f"{name} ({kind} kernels, {run['environment']}) differs {how}:\n" + "\n".join(found)
+
+
+def test_the_probe_digest_sees_a_one_ulp_change():
+    """What ``--probe`` compares: a metric moved by one float64 ulp changes the case's digest."""
+    records = GOLDEN["cases"]["fedavg"]
+    moved = [dict(r) for r in records]
+    moved[-1]["loss"] = math.nextafter(moved[-1]["loss"], math.inf)
+    assert digest(records) == digest([dict(r) for r in records]) != digest(moved)
