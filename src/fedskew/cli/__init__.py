@@ -1,0 +1,50 @@
+"""``fedskew`` command line: run, flower-app, sweep, list, report, demo, data show, features,
+cachefl-search, cachefl-posthoc.
+
+Bad input exits with code 2 and one line naming the problem and the allowed values.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+# each module registers its commands (help lists them in import order)
+from fedskew.cli import inspect, run, sweep, tools  # noqa: F401
+from fedskew.cli.common import app, one_line
+from fedskew.errors import FedskewError, RunFailure
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        # Outside standalone mode typer *returns* the exit code of an Exit, and Ctrl-C becomes Exit(130)
+        code = app(standalone_mode=False)
+        if code == 130:
+            raise KeyboardInterrupt
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except FedskewError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)  # one unwrapped line
+        sys.exit(2)
+    except RunFailure as err:  # a fault, not bad input: the committed rounds are kept for --resume
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: progress kept in the checkpoint; continue with --resume", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as err:  # click usage errors
+        import click
+
+        if isinstance(err, click.exceptions.ClickException):
+            err.show()
+            sys.exit(2)
+        if isinstance(err, click.exceptions.Abort):
+            sys.exit(130)
+        raise

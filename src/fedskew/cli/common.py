@@ -1,0 +1,75 @@
+"""What the commands share: the Typer application, the console and the per-round progress display."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under non-IID data.")
+data_app = typer.Typer(no_args_is_help=True, help="Inspect datasets and partitions.")
+app.add_typer(data_app, name="data")
+console = Console()
+
+
+def registries() -> dict[str, Any]:
+    from fedskew import algorithms, data, models  # noqa: F401  (import registers)
+    from fedskew.algorithms.base import ALGORITHMS
+    from fedskew.data.base import DATASETS, PARTITIONERS
+    from fedskew.data.generators import GENERATORS
+    from fedskew.engine.modes import EXECUTORS
+    from fedskew.models.backbones import BACKBONES
+    from fedskew.models.base import MODELS
+
+    return {
+        "algorithms": ALGORITHMS,
+        "executors": EXECUTORS,
+        "models": MODELS,
+        "datasets": DATASETS,
+        "partitions": PARTITIONERS,
+        "backbones": BACKBONES,
+        "generators": GENERATORS,
+    }
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("round {task.completed}/{task.total}"),
+        TextColumn("acc {task.fields[acc]}"),
+        TextColumn("{task.fields[spr]} s/round"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def run_with_progress(cfg: Any, out: Path | None, resume: bool, force: bool, label: str) -> dict[str, Any]:
+    from fedskew.experiment.runner import run_experiment
+
+    with _progress() as progress:
+        task = progress.add_task(label, total=cfg.rounds, acc="-", spr="-")
+        start = time.perf_counter()
+        first: list[int] = []
+
+        def on_round(sim: Any, record: dict[str, Any] | None) -> None:
+            if not first:
+                first.append(sim.round - 1)
+            done = sim.round - first[0]
+            fields: dict[str, Any] = {"spr": f"{(time.perf_counter() - start) / max(done, 1):.2f}"}
+            if record is not None:
+                fields["acc"] = f"{100 * record['accuracy']:.2f}%"
+            progress.update(task, completed=sim.round, **fields)
+
+        return run_experiment(cfg, out, resume=resume, force=force, on_round=on_round)
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line, even when it quotes input holding line breaks."""
+    return " ".join(str(err).splitlines())
