@@ -52,8 +52,9 @@ MODES: dict[str, dict[str, Any]] = {
     "vectorized": {"mode": "vectorized", "workers": 1},
 }
 ROUNDS = 6
-#: summary keys that are wall-clock time, not results (record keys starting with "seconds" likewise)
-SUMMARY_TIMING = ("wall_seconds", "seconds")
+#: summary keys that are wall-clock time or the process that wrote them (provenance: a resumed run records
+#: its earlier processes), not results (record keys starting with "seconds" likewise)
+SUMMARY_TIMING = ("wall_seconds", "seconds", "provenance")
 #: seconds to wait for an event of a run (a write reached, a file written): only a hung run takes this long
 DEADLINE = 300.0
 

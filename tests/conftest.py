@@ -14,6 +14,10 @@ from fedskew.models.base import FedModel
 from fedskew.settings import ClientSection
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
+#: and so does every run a test starts, in this process (the CLI's thread policy: engine.threads auto
+#: takes OMP_NUM_THREADS first) or in a subprocess: the automatic count depends on the load, and tests that
+#: compare two runs with ``==`` must not depend on it (tests/test_threads.py unsets it to test the policy)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 #: test files that take minutes mostly waiting on other processes: collected first, so that under

@@ -172,7 +172,8 @@ def test_a_dp_run_writes_nothing_unnoised_about_client_data(
     # the rest of summary.json: the run's settings, its size and times, and the accounting
     assert set(summary) == {
         "final", "rounds", "wall_seconds", "bytes_up", "bytes_down", "seconds", "algorithm", "dataset",
-        "model", "seed", "protocol", "skipped_rounds", "version", "privacy",
+        "model", "seed", "protocol", "skipped_rounds", "version", "privacy", "status",
+        "rounds_without_update", "nonfinite_rounds", "provenance",
     }  # fmt: skip
     privacy = summary["privacy"]
     assert set(privacy) == {"mechanism", "randomness", "sampling", "adjacency", "accountant", "delta",

@@ -166,8 +166,11 @@ def test_a_local_deployment_shares_the_cores_and_a_node_applies_its_threads(tmp_
     from fedskew.flower.deploy import node_threads
     from fedskew.flower.node import timed_node_runtime
 
+    monkeypatch.setattr("fedskew.threads.busy_cores", lambda *a: 0.0)  # a quiet machine (fedskew/threads.py)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert node_threads(1) == len(os.sched_getaffinity(0))
     assert node_threads(10_000) == 1
+    assert node_threads(10_000, requested=3) == 3  # engine.threads pins it
     monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path))
     before = torch.get_num_threads()
     node_config = {"partition-id": 1, "threads": 1}

@@ -264,7 +264,8 @@ def test_paired_table_matches_a_hand_computation(tmp_path):
     base = select_group(groups, "fedavg (client.lr=0.05)")
     assert base.label.startswith("fedavg (client.lr=0.05) | digits")
     rows = {p.group.label.split(" | ")[0]: p for p in paired_differences(groups, base)}
-    prox, lr01 = rows["fedprox"], rows["fedavg (client.lr=0.1)"]
+    # client.lr differs between the groups: every label shows it (issue 54, item 9), FedProx's too
+    prox, lr01 = rows["fedprox (client.lr=0.05)"], rows["fedavg (client.lr=0.1)"]
 
     # by hand: mean, sample std, t_{0.975,2} = 4.302653, t_{0.975,1} = 12.706205
     assert prox.n == 3 and prox.mean == pytest.approx(0.05 / 3)
@@ -284,7 +285,8 @@ def test_paired_table_matches_a_hand_computation(tmp_path):
     assert "| 2 (2 unpaired) | 0: +10.00, 1: +9.00 | +9.50 | 0.71 | [+3.15, +15.85] | yes |" in table
     res = fedskew("report", str(tmp_path), "--paired", "fedprox", "--plot", str(tmp_path / "p.png"))
     assert res.returncode == 0, res.stderr
-    assert "Paired by seed against 'fedprox | digits" in res.stdout and "| -1.67 | 1.53 |" in res.stdout
+    assert "Paired by seed against 'fedprox (client.lr=0.05) | digits" in res.stdout
+    assert "| -1.67 | 1.53 |" in res.stdout
 
 
 def test_paired_baseline_must_name_one_group(tmp_path):

@@ -144,9 +144,10 @@ class Failing:
 
 
 def comparable(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A run's metrics and summary without its timings (wall clock)."""
+    """A run's metrics and summary without its timings (wall clock) and provenance (which process, with
+    which config, wrote it: the trackers are in its config changes)."""
     summary = json.loads((folder / "summary.json").read_text())
-    for timing in ("wall_seconds", "seconds"):
+    for timing in ("wall_seconds", "seconds", "provenance"):
         summary.pop(timing)
     metrics = [{k: v for k, v in m.items() if not k.startswith("seconds")} for m in metrics_of(folder)]
     return metrics, summary

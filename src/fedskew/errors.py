@@ -14,7 +14,12 @@ class FedskewError(ValueError):
 
 
 class ConfigError(FedskewError):
-    """An invalid configuration value or key."""
+    """An invalid configuration value or key; ``key``: the dotted config key it is about, when the raiser
+    knows it (a config file's error then names that key's line: ``experiment/config_marks.py``)."""
+
+    def __init__(self, message: str = "", key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(FedskewError):

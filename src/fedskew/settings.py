@@ -153,6 +153,14 @@ class EngineSection(Strict):
     workers: int = Field(
         1, ge=1, description="processes that train clients in parallel, one thread each (1: in-process)"
     )
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads of the run's process (`--threads`): 0 or auto: the cores free as the run "
+        "starts (affinity, cgroup quota, minus those other processes keep busy) divided by the processes it "
+        "starts (main + workers), at least 1 ($OMP_NUM_THREADS if set); runtime-only: recorded in the "
+        "summary, not compared on --resume (fedskew/threads.py)",
+    )
     device: str = Field(
         "auto",
         description="torch device: auto (CUDA if present, else MPS, else CPU; the choice is logged and "
@@ -221,6 +229,23 @@ class EngineSection(Strict):
         "and resumes from the last committed round). A round with every client dropped is recorded as "
         "skipped. An algorithm's ContractError always fails the round",
     )
+    max_skipped_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="the run counts as failed (summary.json status: failed, exit code 1; its results are "
+        "still written) when more than this share of its rounds accepted no upload (every sampled client "
+        "rejected or dropped); 1: never. A final non-finite loss or accuracy always fails the run",
+    )
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, v: object) -> object:
+        if isinstance(v, str) and not v.strip().lstrip("-").isdigit():
+            if v.strip() != "auto":
+                raise ValueError("allowed: auto (or 0: the free cores / the run's processes) or a count >= 1")
+            return 0
+        return v
 
     @field_validator("ray_address")
     @classmethod

@@ -1,26 +1,28 @@
 """``fedskew`` command line: run, flower-app, sweep, list, report, demo, data show, features,
-cachefl-search, cachefl-posthoc.
+cachefl-search, cachefl-posthoc, init, runs (and ``--version``, shell completion).
 
 Bad input exits with code 2 and one line naming the problem and the allowed values.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import typer
 
 # each module registers its commands (help lists them in import order)
-from fedskew.cli import inspect, run, sweep, tools  # noqa: F401
-from fedskew.cli.common import app, one_line
+from fedskew.cli import inspect, project, run, sweep, tools  # noqa: F401
+from fedskew.cli.common import app, configure_logging, one_line
 from fedskew.errors import FedskewError, RunFailure
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
+    from fedskew.experiment.provenance import record_command
+
+    record_command(sys.argv)  # summary.json's provenance, also in the processes a run starts
     try:
         # Outside standalone mode typer *returns* the exit code of an Exit, and Ctrl-C becomes Exit(130)
         code = app(standalone_mode=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -10,10 +12,32 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning under non-IID data.")
+# add_completion: Typer's --install-completion / --show-completion for bash, zsh, fish and PowerShell
+app = typer.Typer(add_completion=True, no_args_is_help=True, help="Federated learning under non-IID data.")
 data_app = typer.Typer(no_args_is_help=True, help="Inspect datasets and partitions.")
 app.add_typer(data_app, name="data")
-console = Console()
+#: markup off by default: messages quote paths, config values and exceptions, and rich would take their
+#: brackets for style tags (``pip install 'fedskew[tracking]'`` printed as ``pip install 'fedskew'``); a
+#: message that styles itself passes ``markup=True`` and escapes what it quotes (rich.markup.escape).
+#: soft_wrap: a message is one line the terminal wraps, never broken inside a path (tables still fit)
+console = Console(markup=False, soft_wrap=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import fedskew
+
+        typer.echo(f"fedskew {fedskew.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="print fedskew's version and exit"
+    ),
+) -> None:
+    """Federated learning under non-IID data."""
 
 
 def registries() -> dict[str, Any]:
@@ -38,7 +62,7 @@ def registries() -> dict[str, Any]:
 
 def _progress() -> Progress:
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),  # a label may hold brackets
         BarColumn(),
         TextColumn("round {task.completed}/{task.total}"),
         TextColumn("acc {task.fields[acc]}"),
@@ -73,3 +97,25 @@ def run_with_progress(cfg: Any, out: Path | None, resume: bool, force: bool, lab
 def one_line(err: BaseException) -> str:
     """The error's message on one line, even when it quotes input holding line breaks."""
     return " ".join(str(err).splitlines())
+
+
+class LiveStderrHandler(logging.StreamHandler):
+    """Log records to whatever ``sys.stderr`` is *now*: while a progress bar is live on a terminal, rich
+    swaps in a proxy that prints above the bar; a handler holding the original stream wrote between the
+    bar's redraws instead, and the redraw erased or repeated log lines (seen with a run's rejected
+    uploads)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; the live one is used
+        pass
+
+
+def configure_logging() -> None:
+    """WARNING and above on stderr, one plain line each, through :class:`LiveStderrHandler`."""
+    handler = LiveStderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])

@@ -1,8 +1,10 @@
 """``fedskew list``, ``report`` and ``data show``: what is registered, tables and plots of results, a
-partition."""
+partition. Every file they write goes under ``--out`` or a stated default beside their input, never the
+working directory by accident (docs/decisions.md, "Where commands write")."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -10,25 +12,72 @@ from rich.console import Console
 from rich.table import Table
 
 from fedskew.cli.common import app, console, data_app, registries
+from fedskew.errors import FedskewError, did_you_mean
+
+#: ``data show``'s heatmap file name; by default in ``runs/``, beside the folder ``fedskew run`` gives the
+#: config's run (``runs/<stem>``; runs/ is git-ignored, a config folder is not)
+PARTITION_PNG = "{stem}-partition.png"
+DEFAULT_ROOT = Path("runs")
+
+
+def _chosen(kind: str | None) -> dict[str, list[tuple[str, str]]]:
+    regs = registries()
+    if kind is not None and kind not in regs:
+        raise FedskewError(
+            f"fedskew list {kind}: unknown kind{did_you_mean(kind, regs)}; allowed: {', '.join(regs)}"
+        )
+    return {title: reg.items() for title, reg in regs.items() if kind in (None, title)}
 
 
 @app.command("list")
-def list_() -> None:
+def list_(
+    kind: str | None = typer.Argument(
+        None, help="one kind only: algorithms, executors, models, datasets, partitions, backbones, generators"
+    ),
+    plain: bool = typer.Option(False, "--plain", help="KIND<TAB>NAME<TAB>DOC, one per line, never wrapped"),
+    as_json: bool = typer.Option(False, "--json", help="{kind: {name: doc}} as JSON"),
+) -> None:
     """List algorithms, models, datasets, partition schemes, backbones and generators, one line each."""
-    for title, reg in registries().items():
+    chosen = _chosen(kind)
+    if as_json:
+        typer.echo(json.dumps({title: dict(items) for title, items in chosen.items()}, indent=2))
+        return
+    if plain:
+        for title, items in chosen.items():
+            for name, doc in items:
+                typer.echo(f"{title}\t{name}\t{doc}")
+        return
+    for title, items in chosen.items():
         table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
-        table.add_column(style="bold cyan", no_wrap=True)
-        table.add_column()
-        for name, doc in reg.items():
+        table.add_column(style="bold cyan", overflow="fold")  # wrapped at the terminal's width, never cut
+        table.add_column(overflow="fold")
+        for name, doc in items:
             table.add_row(name, doc)
         console.print(table)
         console.print()
 
 
+def _report_paths(dirs: list[Path], out: Path | None, plot: Path | None) -> Path:
+    """The accuracy figure's path: ``--plot`` as given, else ``report.png`` in ``--out`` (default: the first
+    results folder), the per-client figure beside it."""
+    return plot if plot is not None else (out if out is not None else dirs[0]) / "report.png"
+
+
 @app.command()
 def report(
     dirs: list[Path] = typer.Argument(..., help="result folders (searched recursively)"),
-    plot: Path | None = typer.Option(None, "--plot", help="accuracy-vs-round PNG (default: report.png)"),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="folder for the figures report.png and report_clients.png (created; default: the first "
+        "result folder given)",
+    ),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="accuracy-vs-round PNG path (default: OUT/report.png); the per-client figure "
+        "goes beside it as <name>_clients.png",
+    ),
     paired: str | None = typer.Option(
         None,
         "--paired",
@@ -44,7 +93,7 @@ def report(
     target: float | None = typer.Option(
         None, "--target", help="add rounds-to-target: the first round each run reaches this accuracy"
     ),
-    html: Path | None = typer.Option(None, "--html", help="also write one self-contained HTML page"),
+    html: Path | None = typer.Option(None, "--html", help="also write one self-contained HTML page here"),
 ) -> None:
     """The table of final metrics (mean ± std over seeds) as Markdown, LaTeX or CSV, optionally the
     seed-paired differences to a baseline group with 95% t-intervals, the accuracy-vs-round and per-client
@@ -52,28 +101,45 @@ def report(
     from fedskew.experiment.reporting import ReportRequest, make_report
 
     request = ReportRequest(
-        list(dirs), fmt, metrics, target, paired, metric, last, plot or Path("report.png"), html=html
+        list(dirs), fmt, metrics, target, paired, metric, last, _report_paths(dirs, out, plot), html=html
     )
     result = make_report(request)
     typer.echo(result.text.rstrip("\n") + "\n")  # plain: tables must not be wrapped
-    notices = console if fmt == "markdown" else Console(stderr=True)  # keep LaTeX / CSV output clean
+    # keep LaTeX / CSV output clean; paths are printed as they are (no markup)
+    notices = console if fmt == "markdown" else Console(stderr=True, markup=False, soft_wrap=True)
     for path in result.files:
-        notices.print(f"{'page' if path.suffix == '.html' else 'plot'}: {path}")
+        notices.print(f"{ {'.html': 'page', '.json': 'provenance'}.get(path.suffix, 'plot') }: {path}")
+
+
+def partition_png(config: Path, out: Path | None) -> Path:
+    """Where ``data show`` writes its heatmap: ``--out`` when it names a .png, ``OUT/<stem>-partition.png``
+    when it names a folder, else ``runs/<stem>-partition.png`` (beside the run's default folder)."""
+    name = PARTITION_PNG.format(stem=config.stem)
+    if out is None:
+        return DEFAULT_ROOT / name
+    return out if out.suffix.lower() == ".png" and not out.is_dir() else out / name
 
 
 @data_app.command("show")
 def data_show(
     config: Path = typer.Argument(..., help="YAML config file"),
     set_: list[str] = typer.Option([], "--set", help="override: dotted.key=value (repeatable)"),
-    out: Path | None = typer.Option(None, "--out", help="PNG heatmap path (default <config>-partition.png)"),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="heatmap: a .png path, or a folder for <config stem>-partition.png (default: runs/, beside "
+        "the run folder `fedskew run` uses, runs/<config stem>)",
+    ),
 ) -> None:
     """Print the partition of a config as a table and write a PNG heatmap of it."""
     from fedskew.data.plot import partition_table, plot_partition
     from fedskew.experiment.config import load_config
+    from fedskew.experiment.data_warnings import warn_small_clients
     from fedskew.experiment.runner import build_data
 
     cfg = load_config(config, set_)
     fd = build_data(cfg)
+    warn_small_clients(cfg, fd.class_counts().sum(1).tolist())
     rows = partition_table(fd)
     table = Table(title=f"{cfg.data.dataset}: {cfg.data.partition}", title_justify="left")
     for col in rows[0]:
@@ -81,5 +147,5 @@ def data_show(
     for row in rows:
         table.add_row(*(str(row[c]) for c in rows[0]))
     console.print(table)
-    path = plot_partition(fd, out or Path(f"{config.stem}-partition.png"))
+    path = plot_partition(fd, partition_png(config, out))
     console.print(f"heatmap: {path}")

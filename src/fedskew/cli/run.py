@@ -7,6 +7,12 @@ from pathlib import Path
 import typer
 
 from fedskew.cli.common import app, console, run_with_progress
+from fedskew.threads import apply_policy, check_threads_option, engine_processes
+
+THREADS_HELP = (
+    "torch threads of the run's process (engine.threads); default 0 = auto: the cores free now divided by "
+    "the processes the run starts, at least 1"
+)
 
 
 @app.command()
@@ -16,11 +22,21 @@ def run(
     out: Path | None = typer.Option(None, "--out", help="output folder (default runs/<config name>)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the checkpoint in --out"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing output folder"),
+    rounds: int | None = typer.Option(
+        None,
+        "--rounds",
+        help="communication rounds (the same as --set rounds=N); with --resume it extends a finished or "
+        "interrupted run to N rounds, exactly as a run of N rounds from the start",
+    ),
+    threads: int | None = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Run one experiment and write config.yaml, metrics.jsonl, summary.json and a checkpoint."""
     from fedskew.experiment.config import load_config
 
-    cfg = load_config(config, set_)
+    check_threads_option(threads)
+    pinned = [f"engine.threads={threads}"] if threads is not None else []  # as --set engine.threads=N
+    cfg = load_config(config, [*set_, *([f"rounds={rounds}"] if rounds is not None else []), *pinned])
+    apply_policy(cfg.engine.threads, engine_processes(cfg.engine))  # before the run's first torch operation
     out = out or Path("runs") / config.stem
     if cfg.engine.runtime == "embedded":
         summary = run_with_progress(cfg, out, resume, force, cfg.algorithm.name)
@@ -28,12 +44,12 @@ def run(
         from fedskew.flower.launch import run_flower
 
         console.print(f"{cfg.algorithm.name} on {cfg.engine.runtime} with {cfg.engine.nodes} nodes ...")
+        console.print(f"Flower's own log: {out / 'flower.log'}", markup=False, highlight=False)
         summary = run_flower(cfg, out, resume=resume, force=force)
-    f = summary["final"]
-    console.print(
-        f"final accuracy {100 * f['accuracy']:.2f}% (± {100 * f.get('accuracy_std', 0.0):.2f} over clients) "
-        f"after {summary['rounds']} rounds in {summary['wall_seconds']:.1f} s -> {out}"
-    )
+    from fedskew.experiment.failure import check_finished, final_line
+
+    console.print(final_line(summary, out), markup=False, highlight=False)
+    check_finished(summary, out)  # a failed run: its files are written; one line and exit code 1
 
 
 @app.command("flower-app")
@@ -62,8 +78,11 @@ def flower_app(
 def demo(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="output folder"),
     rounds: int = typer.Option(30, "--rounds", help="communication rounds"),
+    threads: int | None = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """FedAvg, FedProx and Local on scikit-learn digits, Dirichlet(0.3), 10 clients: table + plot."""
+    check_threads_option(threads)
+    apply_policy(threads or 0, 1)  # the three runs in turn, in this process
     from fedskew.experiment.config import build_config
     from fedskew.experiment.demo import DEMO_ALGORITHMS, demo_config
     from fedskew.experiment.report import find_runs, group_runs, plot_accuracy

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from fedskew.cli.common import app, console
 from fedskew.errors import FedskewError
+from fedskew.threads import check_threads_option, resolve_threads, run_processes
 
 if TYPE_CHECKING:
     from fedskew.experiment.sweep import SweepListener
@@ -60,17 +61,51 @@ class SweepDisplay:
         self.failed += 1
         self.progress.advance(self.runs_task)
         self._info()
-        self.progress.console.print(f"[red]failed[/] {run.folder}: {message}", markup=True, highlight=False)
+        from rich.markup import escape  # the folder and the error are quoted as written, brackets and all
+
+        self.progress.console.print(
+            f"[red]failed[/] {escape(str(run.folder))}: {escape(message)}", markup=True, highlight=False
+        )
 
 
-def _print_plan(runs: list[Any]) -> None:
+def _print_plan(runs: list[Any], skipped: list[Any]) -> None:
     from fedskew.experiment.sweep import describe
 
     for r in runs:
         typer.echo(f"{r.state.value:<11}  {r.folder}  <- {describe(r)}")
+    for point in skipped:  # grid points a run cannot take: not planned (experiment/sweep_grid.py)
+        typer.echo(point.line())
     counts = {s: sum(r.state is s for r in runs) for s in {r.state for r in runs}}
     states = ", ".join(f"{n} {s.value}" for s, n in sorted(counts.items(), key=lambda kv: kv[0].value))
-    typer.echo(f"{len(runs)} runs: {states}")
+    typer.echo(f"{len(runs)} runs: {states}" + (f"; {len(skipped)} grid points skipped" if skipped else ""))
+
+
+def _checked_plan(
+    configs: list[Path], out: Path, seeds: str | None, grid: list[str], sets: list[str], name: str, dry: bool
+) -> Any:
+    """The sweep's plan, every run's config, packages and trackers checked before any run starts
+    (experiment/sweep_check.py); the grid points skipped, one line each on stderr (a dry run lists them)."""
+    from fedskew.experiment.sweep import parse_seeds, plan_runs
+    from fedskew.experiment.sweep_check import check_runs
+
+    plan = plan_runs(configs, out, parse_seeds(seeds) if seeds else None, grid, sets, name)
+    check_runs(plan.runs)
+    for point in [] if dry else plan.skipped:
+        print(point.line(), file=sys.stderr)
+    return plan
+
+
+def _check_jobs_threads(jobs: int, threads: int) -> None:
+    if jobs < 1:
+        raise FedskewError(f"--jobs {jobs}: allowed: at least 1")
+    check_threads_option(threads)
+
+
+def _run_threads(requested: int, jobs: int, runs: list[Any]) -> int:
+    """Torch threads of each run process: fedskew's one policy (fedskew/threads.py) over the ``jobs``
+    processes and, within each, its engine's worker processes."""
+    workers = max((int(r.config["engine"].get("workers", 1)) for r in runs), default=1)
+    return resolve_threads(requested, jobs * run_processes(workers))[0]
 
 
 @app.command()
@@ -88,21 +123,23 @@ def sweep(
         help="run folder template: {stem}, {grid} or config keys, e.g. {algorithm.name}",
     ),
     jobs: int = typer.Option(1, "--jobs", help="runs in parallel processes"),
-    threads: int = typer.Option(1, "--threads", help="torch threads per run"),
+    threads: int = typer.Option(
+        0, "--threads", help="torch threads per run process; 0 = auto: the cores free now divided by --jobs"
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="list the planned runs and their state, run nothing"
     ),
 ) -> None:
     """Run configs × grid points × seeds, skipping finished runs and resuming interrupted ones."""
-    from fedskew.experiment.sweep import parse_seeds, plan_sweep
     from fedskew.experiment.sweep_pool import run_sweep
 
-    if jobs < 1 or threads < 1:
-        raise FedskewError(f"--jobs {jobs} --threads {threads}: both must be at least 1")
-    runs = plan_sweep(configs, out, parse_seeds(seeds) if seeds else None, grid, set_, name)
+    _check_jobs_threads(jobs, threads)
+    plan = _checked_plan(configs, out, seeds, grid, set_, name, dry_run)
+    runs = plan.runs
     if dry_run:
-        _print_plan(runs)
+        _print_plan(runs, plan.skipped)
         return
+    threads = _run_threads(threads, jobs, runs)
     progress = Progress(
         TextColumn("[bold]{task.description:>6}"),
         BarColumn(),

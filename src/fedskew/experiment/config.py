@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
-from fedskew.experiment.config_parsing import format_validation_error, set_dotted
+from fedskew.experiment.config_marks import located, read_marked
+from fedskew.experiment.config_parsing import apply_overrides, validation_error
+from fedskew.experiment.config_parsing import set_dotted as set_dotted  # re-exported
 from fedskew.registry import check_options
 from fedskew.settings import (
     AttackSection,
@@ -185,22 +187,18 @@ class LogSection(Strict):
 #: config sections that change how a run is watched, not what it computes: left out when a saved config is
 #: compared with a planned one (resume, sweeps) and when runs are grouped for a report
 WATCH_ONLY = ("name", "log")
-
-
-def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    flat: dict[str, Any] = {}
-    for k, v in config.items():
-        if isinstance(v, dict) and v:
-            flat.update(flatten_config(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
+#: keys that say how a run uses the machine, not what it computes: left out alike (docs/decisions.md)
+RUNTIME_ONLY = {"engine": ("threads",)}
 
 
 def results_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A config mapping without its :data:`WATCH_ONLY` sections (what decides a run's numbers)."""
-    return {k: v for k, v in config.items() if k not in WATCH_ONLY}
+    """A config mapping without its :data:`WATCH_ONLY` sections and :data:`RUNTIME_ONLY` keys (what decides a
+    run's numbers)."""
+    out = {k: v for k, v in config.items() if k not in WATCH_ONLY}
+    for section, keys in RUNTIME_ONLY.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k not in keys}
+    return out
 
 
 class Config(Strict):
@@ -406,13 +404,12 @@ def build_config(raw: dict[str, Any] | None = None, overrides: list[str] | None 
     data = copy.deepcopy(raw or {})
     if not isinstance(data, dict):
         raise ConfigError("config must be a mapping of sections (seed, rounds, data, model, algorithm, ...)")
-    for assignment in overrides or []:
-        set_dotted(data, assignment)
+    apply_overrides(data, overrides or [])
     _node_clients(data)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, Config)) from None
+        raise validation_error(err, Config) from None
     validate_semantics(cfg)
     return cfg
 
@@ -428,17 +425,11 @@ def _node_clients(raw: dict[str, Any]) -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config file, apply overrides and validate it."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' not found")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file '{p}': not UTF-8 ({err.reason}); expected a YAML mapping") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file '{p}': invalid YAML ({str(err).splitlines()[0]})") from None
-    return build_config(raw, overrides)
+    """Read a YAML config file, apply overrides and validate it; an error names the file:line:col of its
+    key, or the ``--set`` override that set it (config_marks.py)."""
+    doc = read_marked(Path(path))
+    with located(doc, overrides):
+        return build_config(doc.data, overrides)
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,7 +1,12 @@
 """Reports over result folders: a markdown table of final metrics (mean ± std over seeds), seed-paired
 differences against a baseline group, and an accuracy-vs-round plot. Runs are grouped by everything in
-their config except the seed and the name; groups whose labels would coincide (e.g. the points of a
-sweep's grid) get the config keys that tell them apart appended to their label."""
+their config except the seed and the name.
+
+A label (algorithm | data | model) never hides what tells the compared runs apart (issue 54, item 9):
+every *result-changing* key whose value differs between the groups is appended to the label of each group
+it concerns (an algorithm's hyper-parameter only among the groups of that algorithm, a model's option only
+among those of that model); keys that change how a run is executed or watched, not its numbers
+(:data:`RUNTIME_ONLY`), are appended only where labels would otherwise coincide."""
 
 from __future__ import annotations
 
@@ -12,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import scipy.stats
-import yaml
 
 from fedskew.errors import FedskewError
-from fedskew.experiment.config import flatten_config, results_config
+from fedskew.experiment.config import read_saved_config, results_config
+from fedskew.experiment.config_diff import flatten as flatten_config
 from fedskew.experiment.runner import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 
@@ -33,6 +38,27 @@ class RunResult:
         scheme = part.pop("name")
         args = ",".join(f"{k}={v}" for k, v in sorted(part.items()))
         return f"{c['algorithm']['name']} | {c['data']['dataset']} {scheme}({args}) | {c['model']['name']}"
+
+    @property
+    def protocol(self) -> str:
+        """The protocol the run was evaluated under: as its summary records it; for a summary without it,
+        ``personalized`` when it holds per-client accuracies, else the config's ``eval.protocol``."""
+        if "protocol" in self.summary:
+            return str(self.summary["protocol"])
+        if self.summary.get("final", {}).get("accuracy_clients"):
+            return "personalized"
+        return str((self.config.get("eval") or {}).get("protocol", "global"))
+
+    @property
+    def flags(self) -> list[str]:
+        """``failed`` (summary.json says so) and ``non-finite`` (a non-finite loss or accuracy in an
+        evaluated round, or none left in the final one): what a reader of the table must be told."""
+        final = self.summary.get("final", {})
+        nonfinite = bool(self.summary.get("nonfinite_rounds")) or any(
+            k in final and final[k] is None for k in ("accuracy", "loss")
+        )
+        failed = self.summary.get("status") == "failed"
+        return [flag for flag, on in (("failed", failed), ("non-finite", nonfinite)) if on]
 
 
 @dataclass
@@ -67,7 +93,7 @@ def find_runs(paths: list[str | Path]) -> list[RunResult]:
             found.append(
                 RunResult(
                     d,
-                    yaml.safe_load((d / CONFIG_FILE).read_text()),
+                    read_saved_config(d / CONFIG_FILE),  # keys added since: their defaults
                     json.loads((d / SUMMARY_FILE).read_text()),
                     metrics,
                 )
@@ -92,31 +118,83 @@ def value_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+#: config keys (a name covers the keys below it) that change how a run is executed or watched, not its
+#: numbers: shown in a label only where labels would otherwise coincide
+RUNTIME_ONLY = (
+    "name", "log", "checkpoint", "data.root", "engine.workers", "engine.threads", "engine.memory_mb",
+    "engine.state_memory_mb", "engine.fold_uploads", "engine.max_skipped_share", "engine.round_timeout",
+    "engine.ray_address", "engine.runtime", "engine.nodes",
+)  # fmt: skip
+#: keys the label itself shows (algorithm | dataset partition(args) | model), and the seed
+IN_LABEL = ("seed", "algorithm.name", "data.dataset", "data.partition", "model.name")
+#: sections of a named variant: their keys are compared only among the groups of the same variant (FedProx's
+#: mu tells two FedProx groups apart; against FedAvg it is part of being FedProx)
+SCOPED = {"algorithm": "algorithm.name", "model": "model.name"}
+
+
+def _under(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == n or key.startswith(f"{n}.") for n in names)
+
+
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[str, Group] = {}
     for r in runs:
         key_cfg = {k: v for k, v in results_config(r.config).items() if k not in ("seed", "name")}
         key = json.dumps(key_cfg, sort_keys=True)
         groups.setdefault(key, Group(r.label)).runs.append(r)
-    _disambiguate(list(groups.values()))
-    return list(groups.values())
+    found = list(groups.values())
+    _label_differences(found)
+    _disambiguate(found)
+    return found
+
+
+def _flat(group: Group) -> dict[str, str]:
+    return {k: json.dumps(v, sort_keys=True) for k, v in flatten_config(group.runs[0].config).items()}
+
+
+def _append(group: Group, keys: list[str]) -> None:
+    flat = flatten_config(group.runs[0].config)
+    detail = ",".join(f"{k}={value_text(flat.get(k))}" for k in keys)
+    group.detail = ",".join(d for d in (group.detail, detail) if d)
+    head, sep, tail = group.label.partition(" | ")  # the markdown table splits labels on " | "
+    group.label = f"{head.split(' (')[0]} ({group.detail}){sep}{tail}"
+
+
+def _label_differences(groups: list[Group]) -> None:
+    """Append to each label the result-changing keys whose value differs between it and the groups it is
+    compared with (all of them; for a :data:`SCOPED` key, those of the same variant)."""
+    flats = [_flat(g) for g in groups]
+    keys = sorted({k for f in flats for k in f if not _under(k, RUNTIME_ONLY + IN_LABEL)})
+    for g, flat in zip(groups, flats, strict=True):
+        shown = []
+        for k in keys:
+            scope = SCOPED.get(k.split(".")[0])
+            peers = [f for f in flats if scope is None or f.get(scope) == flat.get(scope)]
+            if k in flat and len({f.get(k) for f in peers}) > 1:
+                shown.append(k)
+        if shown:
+            _append(g, shown)
 
 
 def _disambiguate(groups: list[Group]) -> None:
-    """Append to coinciding labels the config keys whose values differ among those groups."""
+    """Append to labels that still coincide the (runtime-only) config keys whose values differ among
+    those groups."""
     by_label: dict[str, list[Group]] = {}
     for g in groups:
         by_label.setdefault(g.label, []).append(g)
     for same in by_label.values():
         if len(same) < 2:
             continue
-        flats = [flatten_config(results_config(g.runs[0].config)) for g in same]
+        flats = [_flat(g) for g in same]
         keys = set().union(*flats) - {"seed", "name"}
-        differing = sorted(k for k in keys if len({json.dumps(f.get(k)) for f in flats}) > 1)
-        for g, flat in zip(same, flats, strict=True):
-            g.detail = ",".join(f"{k}={value_text(flat.get(k))}" for k in differing)
-            head, sep, tail = g.label.partition(" | ")  # the markdown table splits labels on " | "
-            g.label = f"{head} ({g.detail}){sep}{tail}"
+        differing = sorted(k for k in keys if len({f.get(k) for f in flats}) > 1)
+        for g in same:
+            _append(g, differing)
+
+
+def seeds_text(n: int) -> str:
+    """``1 seed``, ``3 seeds``: how many runs a group's mean is over."""
+    return f"{n} seed{'s' * (n != 1)}"
 
 
 def seeds_cell(runs: list[RunResult], key: str = "accuracy", scale: float = 100.0) -> str:
@@ -159,7 +237,7 @@ def plot_accuracy(
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for g in groups:
         rounds, mean, std = mean_curve(g, key)
-        ax.plot(rounds, scale * mean, label=g.label.split(" | ")[0], lw=1.6)
+        ax.plot(rounds, scale * mean, label=f"{g.label.split(' | ')[0]} ({seeds_text(len(g.runs))})", lw=1.6)
         if len(g.runs) > 1:
             ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), alpha=0.2)
     ax.set_xlabel("round")

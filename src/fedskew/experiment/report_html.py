@@ -3,8 +3,8 @@
 * :func:`plot_client_accuracy`: the distribution of the final round's per-client accuracies of each group
   (all seeds pooled; clients without test data left out), a violin with a box inside, so that who is left
   behind shows, not only the mean;
-* :func:`html_report`: one self-contained page (tables, paired intervals, the figures as inline PNGs; no
-  script, no external file) to open in a browser.
+* :func:`html_report`: one self-contained page (tables, paired intervals, the figures as inline PNGs, the
+  table's notes and the runs' provenance; no script, no external file) to open in a browser.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
+from fedskew.experiment import provenance
 from fedskew.experiment.fairness import client_accuracies
-from fedskew.experiment.report import Group, Paired, save_figure
-from fedskew.experiment.report_tables import Table, label_parts
+from fedskew.experiment.report import Group, Paired, save_figure, seeds_text
+from fedskew.experiment.report_tables import Table, label_parts, seeds_label, table_notes
 
 
 def final_client_accuracies(group: Group) -> list[float]:
@@ -43,11 +45,20 @@ def plot_client_accuracy(groups: list[Group], path: str | Path, title: str = "")
     positions = list(range(1, len(data) + 1))
     ax.violinplot(values, positions, showextrema=False, widths=0.8)
     ax.boxplot(values, positions=positions, widths=0.18, showfliers=True, flierprops={"markersize": 3})
-    labels = [f"{g.label.split(' | ')[0]}\n({len(accs)} clients)" for g, accs in data]
+    labels = [f"{g.label.split(' | ')[0]}\n({pooled_count(g)})" for g, _ in data]
     ax.set_xticks(positions, labels, fontsize=7)
     ax.set_ylabel("final per-client test accuracy (%)")
     ax.grid(alpha=0.3, axis="y")
     return save_figure(fig, ax, path, title)
+
+
+def pooled_count(group: Group) -> str:
+    """What a group's pooled per-client values are: ``3 seeds × 10 clients`` (``30 clients`` would read as
+    one federation of 30), or ``28 clients over 3 seeds`` when the runs scored different numbers."""
+    counts = [n for r in group.runs if (n := len(client_accuracies(r.summary.get("final", {}))))]
+    if len(set(counts)) == 1:
+        return f"{seeds_text(len(counts))} × {counts[0]} clients"
+    return f"{sum(counts)} clients over {seeds_text(len(counts))}"
 
 
 def table_html(table: Table) -> str:
@@ -57,7 +68,7 @@ def table_html(table: Table) -> str:
     best = [table.best(j) for j in range(len(table.columns))]
     for i, g in enumerate(table.groups):
         cells = [html.escape(p) for p in label_parts(g)] + [
-            str(len(g.runs)),
+            html.escape(seeds_label(g)),
             str(g.runs[0].summary["rounds"]),
         ]
         for j, (cell, col) in enumerate(zip(table.cells[i], table.columns, strict=True)):
@@ -123,6 +134,32 @@ def paired_html(paired: Sequence[Paired], baseline: Group, key: str) -> str:
     return "\n".join(rows)
 
 
+def provenance_html(table: Table) -> str:
+    """Where the runs came from: the versions, commit and machine they share (a value per run where they
+    differ, flagged), then each run's command and its config's difference from the defaults."""
+    runs = [r for g in table.groups for r in g.runs]
+    compared = provenance.compare([r.summary.get("provenance") for r in runs])
+    differ = provenance.differing(compared)
+    rows = ["<table>", "<tr><th>key</th><th>value (runs)</th></tr>"]
+    for label, counts in compared.items():
+        values = ", ".join(f"{v} ({n})" for v, n in sorted(counts.items()))
+        text = f"<b>differs: {html.escape(values)}</b>" if label in differ else html.escape(values)
+        rows.append(f"<tr><td>{html.escape(label)}</td><td>{text}</td></tr>")
+    rows.append("</table>")
+    lead = "The runs differ in " + ", ".join(differ) + "." if differ else "Every run shares these values."
+    parts = [f'<p class="note">{html.escape(lead)}</p>', *rows]
+    for r in runs:
+        prov: Any = r.summary.get("provenance") or {}
+        command = prov.get("command") or prov.get("entry") or "not recorded"
+        listed = "\n".join(f"{k}: {v}" for k, v in (prov.get("config_changes") or {}).items())
+        where, command = html.escape(str(r.path)), html.escape(str(command))
+        parts.append(
+            f"<details><summary>{where}: <code>{command}</code></summary>"
+            f"<pre>{html.escape(listed or '(the defaults)')}</pre></details>"
+        )
+    return "\n".join(parts)
+
+
 def html_report(
     table: Table,
     figures: list[tuple[Path, str]],
@@ -150,10 +187,12 @@ def html_report(
         )
     if note:
         parts.append(f'<p class="note">{html.escape(note)}</p>')
+    parts += [f'<p class="note">{html.escape(n)}</p>' for n in table_notes(table)[:-1]]  # last: provenance
     if baseline is not None:
         parts += ["<h2>Seed-paired differences</h2>", paired_html(paired, baseline, paired_key)]
     if figures:
         parts.append("<h2>Figures</h2>")
         parts += [_figure(path, caption) for path, caption in figures]
+    parts += ["<h2>Provenance</h2>", provenance_html(table)]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

@@ -5,6 +5,11 @@ values, so every format shows the same numbers: the mean over seeds ± the sampl
 two runs or more) at the column's scale and digits. LaTeX puts the best mean of each column in bold (the
 column's direction: higher accuracy, lower loss, bytes, seconds, rounds, spread or Gini) and marks with
 ``†`` a cell whose seed-paired 95% interval against the ``--paired`` baseline excludes 0.
+
+Every format says what it must not hide (issue 54): the unit of each spread (``±`` is over seeds; the std
+over clients exists only under the personalized protocol, and is ``n/a`` for a run under the global one),
+the runs that failed or ended non-finite (``3 (1 failed)`` in the seeds cell, and a note naming them), and
+where the numbers came from (:mod:`fedskew.experiment.provenance`: one line, saying so when runs differ).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Literal
 import numpy as np
 
 from fedskew.errors import FedskewError
+from fedskew.experiment import provenance
 from fedskew.experiment.fairness import client_accuracies, client_fairness
 from fedskew.experiment.report import Group, Paired, RunResult, rounds_to
 
@@ -65,9 +71,21 @@ DEFAULT_COLUMNS = (
 )
 
 
-def columns_for(metrics: str | None, target: float | None) -> list[Column]:
-    """The columns of ``--metrics a,b,c`` (default: the Markdown table's), plus rounds-to-target."""
+#: the metrics that are a spread over one run's clients: none under the global protocol
+PER_CLIENT = ("accuracy_std",)
+
+
+def all_global(groups: Sequence[Group]) -> bool:
+    """Every run was evaluated under the global protocol (one model, one test set: no per-client spread)."""
+    return all(r.protocol == "global" for g in groups for r in g.runs)
+
+
+def columns_for(metrics: str | None, target: float | None, groups: Sequence[Group] = ()) -> list[Column]:
+    """The columns of ``--metrics a,b,c`` (default: the Markdown table's, without the std over clients
+    when every run of ``groups`` used the global protocol), plus rounds-to-target."""
     cols = list(DEFAULT_COLUMNS) if not metrics else [metric_column(k) for k in _split(metrics)]
+    if not metrics and groups and all_global(groups):
+        cols = [c for c in cols if c.key not in PER_CLIENT]
     if target is not None:
         cols.append(Column("rounds_to", f"rounds to {_percent(target)}", 1.0, 1, better="low"))
     return cols
@@ -93,6 +111,8 @@ def run_metric(run: RunResult, column: Column, target: float | None = None) -> f
     if column.key == "rounds_to":
         reached = rounds_to(run, target if target is not None else math.inf)
         return None if reached is None else float(reached)
+    if column.key in PER_CLIENT and run.protocol == "global":  # recorded as 0: there is no such spread
+        return None
     final = dict(run.summary.get("final", {}))
     if column.key not in final:  # runs written before the fairness metrics: derived from their clients
         final.update(client_fairness(client_accuracies(final)))
@@ -109,7 +129,12 @@ def check_columns(groups: Sequence[Group], columns: Sequence[Column], target: fl
             run = groups[0].runs[0]
             keys = {k for k, v in run.summary.get("final", {}).items() if isinstance(v, int | float)}
             keys |= {"bytes_up", "bytes_down", "wall_seconds", "rounds"}
-            raise FedskewError(f"--metrics '{col.key}': no run has it; available: {', '.join(sorted(keys))}")
+            per_client = col.key in PER_CLIENT
+            why = " (the runs used the global protocol: one model, one test set)" if per_client else ""
+            keys -= set(PER_CLIENT) if per_client else set()
+            raise FedskewError(
+                f"--metrics '{col.key}': no run has it{why}; available: {', '.join(sorted(keys))}"
+            )
 
 
 @dataclass
@@ -177,8 +202,47 @@ def build_table(
 
 def markdown_table(groups: list[Group]) -> str:
     """The report's Markdown table with its default columns (final accuracy mean ± std over seeds, the
-    mean over seeds of the std over clients, loss, MB up, seconds a run)."""
-    return render_markdown(build_table(groups, list(DEFAULT_COLUMNS)))
+    mean over seeds of the std over clients where there is one, loss, MB up, seconds a run) and its notes."""
+    return render_markdown(build_table(groups, columns_for(None, None, groups)))
+
+
+FLAGS = ("failed", "non-finite")
+
+
+def seeds_label(group: Group) -> str:
+    """The seeds cell: ``3``, or ``3 (1 failed)`` when runs of the group failed or ended non-finite."""
+    counts = {flag: sum(flag in r.flags for r in group.runs) for flag in FLAGS}
+    marks = ", ".join(f"{n} {flag}" for flag, n in counts.items() if n)
+    return f"{len(group.runs)}" + (f" ({marks})" if marks else "")
+
+
+def spread_note(table: Table) -> str:
+    """What each spread of the table is over, per protocol."""
+    runs = [r for g in table.groups for r in g.runs]
+    parts = ["final-round metrics; ± is the sample std over seeds (the runs of a group)"]
+    if all_global(table.groups):
+        parts.append("global protocol: one model scored on one test set, so there is no per-client spread")
+    elif any(c.key in PER_CLIENT for c in table.columns):
+        some_global = any(r.protocol == "global" for r in runs)
+        parts.append(
+            "std over clients: the spread of a run's per-client test accuracies (personalized protocol), "
+            "mean over seeds" + ("; n/a for runs under the global protocol" if some_global else "")
+        )
+    return "; ".join(parts) + "."
+
+
+def table_notes(table: Table) -> list[str]:
+    """The lines every rendering carries under its table: the spreads' units, each run that failed or
+    ended non-finite (with its reason; included in the means), and the provenance."""
+    notes = [spread_note(table)]
+    for g in table.groups:
+        for r in g.runs:
+            if r.flags:
+                reason = r.summary.get("failure") or "a non-finite loss or accuracy"
+                notes.append(f"{' and '.join(r.flags).upper()} (included above): {r.path}: {reason}")
+    compared = provenance.compare([r.summary.get("provenance") for g in table.groups for r in g.runs])
+    notes.append(provenance.describe(compared))
+    return notes
 
 
 def label_parts(group: Group) -> list[str]:
@@ -194,9 +258,9 @@ def render_markdown(table: Table) -> str:
     for g, cells in zip(table.groups, table.cells, strict=True):
         texts = [cell.text(col) for cell, col in zip(cells, table.columns, strict=True)]
         rows.append(
-            f"| {g.label} | {len(g.runs)} | {g.runs[0].summary['rounds']} | " + " | ".join(texts) + " |"
+            f"| {g.label} | {seeds_label(g)} | {g.runs[0].summary['rounds']} | " + " | ".join(texts) + " |"
         )
-    return "\n".join(rows) + "\n"
+    return "\n".join([*rows, "", *table_notes(table)]) + "\n"
 
 
 _LATEX_SPECIAL = {
@@ -232,32 +296,36 @@ def render_latex(table: Table, caption: str = "", baseline: Group | None = None)
                 text += r"$^\dagger$"
             cells.append(text)
         parts = [latex_escape(p) for p in label_parts(g)]
-        lines.append(" & ".join([*parts, str(len(g.runs)), *cells]) + r" \\")
+        lines.append(" & ".join([*parts, latex_escape(seeds_label(g)), *cells]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     note = caption or "Final-round metrics, mean $\\pm$ std over seeds; best in bold."
+    if any(r.flags for g in table.groups for r in g.runs):
+        note += " Runs marked failed or non-finite are included in the means."
     if baseline is not None:
         note += (
             " $^\\dagger$: the seed-paired 95\\% t-interval of the difference to "
             f"{latex_escape(baseline.label.split(' | ')[0])} excludes 0."
         )
     lines += [rf"\caption{{{note}}}", r"\end{table}"]
+    lines += ["% " + " ".join(n.splitlines()) for n in table_notes(table)]  # the notes, as comments
     return "\n".join(lines) + "\n"
 
 
 def render_csv(table: Table) -> str:
     """One row per group: its label parts, seeds, and per column ``<key>_mean`` / ``<key>_std`` / ``<key>_n``
-    (raw values as stored, unscaled) and, with ``--paired``, ``<key>_paired_excludes_0``."""
+    (raw values as stored, unscaled), then ``failed_runs`` and ``nonfinite_runs``. The notes and the
+    provenance do not fit a CSV: ``fedskew report`` writes them to a JSON sidecar (``reporting.py``)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     head = ["algorithm", "data", "model", "detail", "seeds"]
     for c in table.columns:
         head += [f"{c.key}_mean", f"{c.key}_std", f"{c.key}_n"]
-    writer.writerow(head)
+    writer.writerow([*head, "failed_runs", "nonfinite_runs"])
     for i, g in enumerate(table.groups):
         row: list[object] = [*[p.strip() for p in label_parts(g)], g.detail, len(g.runs)]
         for cell in table.cells[i]:
             row += [_num(cell.mean), _num(cell.std) if len(cell.values) > 1 else "", len(cell.values)]
-        writer.writerow(row)
+        writer.writerow([*row, *(sum(flag in r.flags for r in g.runs) for flag in FLAGS)])
     return buf.getvalue()
 
 

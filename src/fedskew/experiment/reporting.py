@@ -1,12 +1,15 @@
 """``fedskew report`` as a function: result folders in, the table in the chosen format, the paired
-differences, the figures and the HTML page out (the CLI only parses options)."""
+differences, the figures, the HTML page and the JSON sidecar of notes and provenance out (the CLI only
+parses options)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedskew.errors import FedskewError
+from fedskew.experiment import provenance
 from fedskew.experiment.report import (
     find_runs,
     group_runs,
@@ -18,12 +21,14 @@ from fedskew.experiment.report import (
 from fedskew.experiment.report_html import html_report, plot_client_accuracy
 from fedskew.experiment.report_tables import (
     FORMATS,
+    Table,
     build_table,
     check_columns,
     columns_for,
     render_csv,
     render_latex,
     render_markdown,
+    table_notes,
 )
 
 
@@ -36,9 +41,10 @@ class ReportRequest:
     paired: str | None = None  # baseline group
     metric: str = "accuracy"  # the paired metric
     last: int = 0
-    plot: Path = Path("report.png")
+    plot: Path | None = None  # default: report.png in the first result folder (never the cwd by accident)
     clients_plot: Path | None = None  # default: beside the plot, <stem>_clients.png
     html: Path | None = None
+    sidecar: Path | None = None  # notes + provenance JSON; default: beside the plot, <stem>_provenance.json
 
 
 @dataclass
@@ -55,7 +61,7 @@ def make_report(req: ReportRequest) -> ReportOutput:
     if req.target is not None and not req.target > 0:
         raise FedskewError(f"--target {req.target}: expected a positive accuracy such as 0.9")
     groups = group_runs(find_runs(list(req.dirs)))
-    columns = columns_for(req.metrics, req.target)
+    columns = columns_for(req.metrics, req.target, groups)
     check_columns(groups, columns, req.target)
     baseline = select_group(groups, req.paired) if req.paired is not None else None
     paired = paired_differences(groups, baseline, req.metric, req.last) if baseline is not None else []
@@ -67,9 +73,11 @@ def make_report(req: ReportRequest) -> ReportOutput:
         "csv": lambda: render_csv(table),
     }
     text = renderers[req.format]()
-    files = [plot_accuracy(groups, req.plot)]
+    plot = req.plot if req.plot is not None else req.dirs[0] / "report.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)  # --out may name a folder not made yet
+    files = [plot_accuracy(groups, plot)]
     figures = [(files[0], "test accuracy vs round: mean over seeds, band ± std")]
-    clients_path = req.clients_plot or req.plot.with_name(f"{req.plot.stem}_clients.png")
+    clients_path = req.clients_plot or plot.with_name(f"{plot.stem}_clients.png")
     clients = plot_client_accuracy(groups, clients_path)
     if clients is not None:
         files.append(clients)
@@ -79,4 +87,32 @@ def make_report(req: ReportRequest) -> ReportOutput:
         req.html.parent.mkdir(parents=True, exist_ok=True)
         req.html.write_text(html_report(table, figures, paired, baseline, req.metric, note), encoding="utf-8")
         files.append(req.html)
+    sidecar = req.sidecar or plot.with_name(f"{plot.stem}_provenance.json")
+    files.append(write_sidecar(sidecar, table))
     return ReportOutput(text, files)
+
+
+def write_sidecar(path: Path, table: Table) -> Path:
+    """The report's notes and every run's provenance as JSON: what a CSV (or a table pasted elsewhere)
+    cannot carry, written beside the figures whatever the format (issue 54, item 3)."""
+    runs = [r for g in table.groups for r in g.runs]
+    compared = provenance.compare([r.summary.get("provenance") for r in runs])
+    record = {
+        "notes": table_notes(table),
+        "differ": sorted(provenance.differing(compared)),
+        "compared": compared,
+        "runs": [
+            {
+                "path": str(r.path),
+                "group": g.label,
+                "status": r.summary.get("status"),
+                "flags": r.flags,
+                "provenance": r.summary.get("provenance"),
+            }
+            for g in table.groups
+            for r in g.runs
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path

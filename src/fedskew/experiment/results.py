@@ -36,7 +36,9 @@ import fedskew
 from fedskew.engine.loop import Simulation
 from fedskew.engine.states import STATES_DIR
 from fedskew.errors import FedskewError, RunFailure
-from fedskew.experiment.config import Config, read_saved_config, results_config
+from fedskew.experiment.config import Config, read_saved_config
+from fedskew.experiment.extension import check_resume_config, extended_checkpoint
+from fedskew.experiment.failure import assess
 from fedskew.experiment.fairness import client_accuracies, client_fairness
 
 CONFIG_FILE = "config.yaml"
@@ -147,10 +149,14 @@ def jsonable(v: Any) -> Any:
     return v
 
 
-def save_checkpoint(sim: Simulation, out: Path, elapsed: float) -> None:
+def save_checkpoint(
+    sim: Simulation, out: Path, elapsed: float, provenance: dict[str, Any] | None = None
+) -> None:
     sd = sim.state_dict()
     sd["wall_seconds"] = elapsed
     sd["version"] = fedskew.__version__
+    if provenance is not None:  # the process that wrote it: a resume keeps it in resumed_from
+        sd["provenance"] = provenance
     sd[DIGEST_KEY] = tree_digest(sd)
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -223,8 +229,12 @@ def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
     write_text(out / METRICS_FILE, lines)
 
 
-def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
-    """``summary.json``: the final evaluated round is the result (never the best test round)."""
+def make_summary(
+    cfg: Config, sim: Simulation, wall: float, provenance: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``summary.json``: the final evaluated round is the result (never the best test round); its
+    ``status`` says whether the run counts as failed (:mod:`fedskew.experiment.failure`), ``provenance``
+    where it came from (:mod:`fedskew.experiment.provenance`)."""
     last = sim.history[-1]
     final = {
         k: jsonable(v)
@@ -250,7 +260,10 @@ def make_summary(cfg: Config, sim: Simulation, wall: float) -> dict[str, Any]:
         "skipped_rounds": list(sim.skipped),
         "version": fedskew.__version__,
         **extra,
+        **assess(sim.round, sim.skipped, sim.history, cfg.engine.max_skipped_share),
     }
+    if provenance is not None:
+        summary["provenance"] = provenance
     evaluated = [r for r in sim.history if r.get("val_accuracy") is not None]
     if evaluated:  # best round chosen on validation only; its test accuracy reported beside
         best = max(evaluated, key=lambda r: r["val_accuracy"])
@@ -270,9 +283,14 @@ def prepare_output(out: Path, cfg: Config, resume: bool, force: bool) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     if resume and exists:
         saved = out / CONFIG_FILE
-        if saved.is_file() and results_config(read_saved_config(saved)) != results_config(cfg.to_dict()):
-            raise FedskewError(f"--resume: config differs from the one saved in '{saved}'")
-        return load_checkpoint(out)
+        # every changed key named; only rounds may change (an exact extension: experiment/extension.py)
+        extend = saved.is_file() and check_resume_config(read_saved_config(saved), cfg, saved)
+        ckpt = load_checkpoint(out)
+        if extend:
+            ckpt = extended_checkpoint(ckpt, cfg, out)
+            if ckpt is not None and ckpt["round"] < cfg.rounds:  # more rounds to go: the summary is stale
+                (out / SUMMARY_FILE).unlink(missing_ok=True)
+        return ckpt
     if force:
         for name in (METRICS_FILE, SUMMARY_FILE, CHECKPOINT_FILE, CHECKPOINT_PREV):
             (out / name).unlink(missing_ok=True)

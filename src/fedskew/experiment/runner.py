@@ -19,11 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedskew import threads
 from fedskew.data.federated import FederatedData
 from fedskew.engine.device import deterministic_algorithms
 from fedskew.engine.loop import Simulation
 from fedskew.engine.states import STATES_DIR
 from fedskew.errors import ConfigError, RunFailure
+from fedskew.experiment import provenance
 from fedskew.experiment.build import (
     build_data,
     build_simulation,
@@ -33,6 +35,7 @@ from fedskew.experiment.build import (
     with_resolved_device,
 )
 from fedskew.experiment.config import Config, dump_config
+from fedskew.experiment.data_warnings import warn_small_clients
 from fedskew.experiment.results import (
     CHECKPOINT_FILE,
     CHECKPOINT_PREV,
@@ -99,15 +102,27 @@ def run_experiment(
             )
         assemble = embedded(data)
     check_trackers(cfg.log)
-    cfg = recorded_config(cfg)
+    given, cfg = cfg, recorded_config(cfg)
     out_dir = Path(out) if out is not None else None
     with (
         output_lock(out_dir) if out_dir is not None else contextlib.nullcontext(),
         deterministic_algorithms(cfg.engine.deterministic),
     ):
         ckpt = prepare_output(out_dir, cfg, resume, force) if out_dir is not None else None
+        if ckpt is not None:
+            _keep_threads(cfg, ckpt)
         sim = assemble(cfg, out_dir / STATES_DIR if out_dir is not None else None)
-        return _run(cfg, sim, out_dir, ckpt, on_round)
+        warn_small_clients(cfg, sim.algorithm.ctx.client_sizes.tolist())  # once per run, every runtime
+        prov = provenance.for_run(given, cfg.engine.device, ckpt)  # after assembly: the threads it set
+        return _run(cfg, sim, out_dir, ckpt, on_round, prov)
+
+
+def _keep_threads(cfg: Config, ckpt: dict[str, Any]) -> None:
+    """A resume under ``engine.threads: auto`` (and no ``OMP_NUM_THREADS``) trains with the threads the
+    run started with (:func:`fedskew.experiment.provenance.recorded_threads`): exact resume."""
+    earlier = provenance.recorded_threads(ckpt.get("provenance"))
+    if cfg.engine.threads == threads.AUTO and threads.env_threads() is None and earlier is not None:
+        threads.apply_threads(earlier, "resumed")
 
 
 def _run(
@@ -116,6 +131,7 @@ def _run(
     out_dir: Path | None,
     ckpt: dict[str, Any] | None,
     on_round: RoundCallback | None,
+    prov: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     elapsed0 = 0.0
     if ckpt is not None:
@@ -135,7 +151,7 @@ def _run(
                     line = json.dumps({k: jsonable(v) for k, v in outcome.record.items()}) + "\n"
                     append_line(out_dir / METRICS_FILE, line)
                 if every and sim.round % every == 0 and sim.round < cfg.rounds:
-                    save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0)
+                    save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0, prov)
             if outcome.record is not None:
                 trackers.log_round(outcome.record)
             if on_round is not None:
@@ -144,15 +160,15 @@ def _run(
         # The simulation commits whole rounds only, so its state is consistent: keep the progress.
         if out_dir is not None and sim.round > 0:
             with contextlib.suppress(RunFailure):  # disk full: the last checkpoint written stays the one
-                save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0)
+                save_checkpoint(sim, out_dir, elapsed0 + time.perf_counter() - t0, prov)
         trackers.close(None)  # stopped early: each tracker closes its run as not finished
         raise
     finally:
         sim.close()
     wall = elapsed0 + time.perf_counter() - t0
-    final = make_summary(cfg, sim, wall)
+    final = make_summary(cfg, sim, wall, prov)
     if out_dir is not None:
-        save_checkpoint(sim, out_dir, wall)
+        save_checkpoint(sim, out_dir, wall, prov)
         write_text(out_dir / SUMMARY_FILE, json.dumps(final, indent=2) + "\n")
     trackers.close(final)
     return final

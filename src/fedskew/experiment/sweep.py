@@ -10,17 +10,20 @@ are ``stem``, ``grid`` and any dotted key of the run's resolved config (``{algor
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
+import logging
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import build_config, load_config, read_saved_config, results_config
+from fedskew.experiment.config import build_config, read_saved_config, results_config
+from fedskew.experiment.config_marks import MarkedConfig, locate, read_marked
 from fedskew.experiment.report import flatten_config, value_text
 from fedskew.experiment.runner import (
     CHECKPOINT_FILE,
@@ -29,6 +32,7 @@ from fedskew.experiment.runner import (
     SUMMARY_FILE,
     recorded_config,
 )
+from fedskew.experiment.sweep_grid import Axis, check_axes_used, preview, scope_axis, skip_reason
 
 DEFAULT_NAME = "{stem}/{grid}"
 #: a failed run's traceback, in its folder (removed when the run later succeeds)
@@ -184,21 +188,132 @@ def check_saved_config(run: PlannedRun) -> None:
         )
 
 
+@dataclass(frozen=True)
+class SkippedPoint:
+    """A grid point of a config that its run cannot take (``sweep_grid``): not planned, for any seed."""
+
+    config_path: Path
+    overrides: tuple[str, ...]
+    reason: str
+
+    def line(self) -> str:
+        sets = "".join(f" --set {o}" for o in self.overrides)
+        return f"skipped: {self.config_path}{sets}: {self.reason}"
+
+
+@dataclass
+class SweepPlan:
+    """The runs of a sweep, and the grid points skipped because their run cannot take them."""
+
+    runs: list[PlannedRun] = field(default_factory=list)
+    skipped: list[SkippedPoint] = field(default_factory=list)
+
+
+class _Skip(Exception):
+    def __init__(self, point: SkippedPoint, axis: str) -> None:
+        super().__init__(point.reason)
+        self.point, self.axis = point, axis
+
+
 def _plan_one(
-    path: Path,
+    doc: MarkedConfig,
     out: Path,
-    point: tuple[tuple[str, str], ...],
+    point: list[tuple[Axis, str]],
     seed: int | None,
     sets: Sequence[str],
     name: str,
 ) -> PlannedRun:
-    overrides = (*sets, *(f"{k}={v}" for k, v in point))
-    cfg = load_config(path, [*overrides, *([f"seed={seed}"] if seed is not None else [])]).to_dict()
-    grid = ",".join(f"{sanitize(k)}={sanitize(v)}" for k, v in point)
-    group = render_name(name, path.stem, grid, cfg)
+    overrides = (*sets, *(f"{a.target}={v}" for a, v in point))
+    every = [*overrides, *([f"seed={seed}"] if seed is not None else [])]
+    try:
+        cfg = build_config(doc.data, every).to_dict()
+    except ConfigError as err:
+        why = skip_reason(err, point)
+        if why is None:
+            raise locate(err, doc, every) from None
+        raise _Skip(SkippedPoint(doc.path, overrides, why[0]), why[1]) from None
+    grid = ",".join(f"{sanitize(a.target)}={sanitize(v)}" for a, v in point)
+    group = render_name(name, doc.path.stem, grid, cfg)
     folder = out / group / f"seed{cfg['seed']}"
     cfg["name"] = group.as_posix()  # the run's group in trackers (watch-only: config.WATCH_ONLY)
-    return PlannedRun(path, overrides, cfg["seed"], folder, cfg)
+    return PlannedRun(doc.path, overrides, cfg["seed"], folder, cfg)
+
+
+def _where(doc: MarkedConfig, out: Path, point: list[tuple[Axis, str]], seed: int | None, name: str) -> str:
+    """The folder a run that failed to plan would have had, as far as its raw config tells (else its file)."""
+    raw = preview(doc.data, [f"{a.target}={v}" for a, v in point])
+    grid = ",".join(f"{sanitize(a.target)}={sanitize(v)}" for a, v in point)
+    try:
+        group = render_name(name, doc.path.stem, grid, raw)
+    except ConfigError:
+        return str(doc.path)
+    return str(out / group / f"seed{seed if seed is not None else raw.get('seed', 0)}")
+
+
+@contextlib.contextmanager
+def _notes_once() -> Iterator[None]:
+    """Each ``--set`` note once while a sweep is planned (its seeds would repeat it)."""
+    seen: set[str] = set()
+
+    def first(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return text not in seen and not seen.add(text)  # type: ignore[func-returns-value]
+
+    logger = logging.getLogger("fedskew.config")
+    logger.addFilter(first)
+    try:
+        yield
+    finally:
+        logger.removeFilter(first)
+
+
+def plan_runs(
+    configs: Sequence[str | Path],
+    out: str | Path,
+    seeds: Sequence[int] | None = None,
+    grid: Sequence[str] = (),
+    sets: Sequence[str] = (),
+    name: str = DEFAULT_NAME,
+) -> SweepPlan:
+    """Every run of the sweep, seed-major (all configs and grid points of a seed before the next seed, so
+    that paired comparisons fill in early), and the grid points skipped (``sweep_grid``). Builds every
+    run's config up front; raises ConfigError (``sweep: <run folder>: <problem>``) before anything runs."""
+    axes = [scope_axis(k, vals) for k, vals in parse_grid(grid)]
+    points = list(itertools.product(*[[(a, v) for v in a.values] for a in axes]))
+    docs = [read_marked(Path(c)) for c in configs]
+    plan, owners, used, skips = SweepPlan(), dict[Path, PlannedRun](), set[str](), dict[str, str]()
+    settled: set[tuple[Any, ...]] = set()  # (config, grid point) skipped, for every seed
+    with _notes_once():
+        seed_list: Sequence[int | None] = seeds or [None]
+        for seed in seed_list:
+            planned: set[tuple[Any, ...]] = set()
+            for doc, full in itertools.product(docs, points):
+                raw = preview(doc.data, [*sets, *(f"{a.target}={v}" for a, v in full if a.section is None)])
+                point = [(a, v) for a, v in full if a.applies(raw)]
+                key = (doc.path, tuple((a.key, v) for a, v in point))
+                if key in planned or key in settled:
+                    continue  # a scoped key left out made it another point's run
+                planned.add(key)
+                try:
+                    run = _plan_one(doc, Path(out), point, seed, sets, name)
+                except _Skip as skip:
+                    settled.add(key)
+                    plan.skipped.append(skip.point)
+                    skips.setdefault(skip.axis, skip.point.reason)
+                    continue
+                except ConfigError as err:
+                    raise ConfigError(f"sweep: {_where(doc, Path(out), point, seed, name)}: {err}") from None
+                used.update(a.key for a, _ in point)
+                other = owners.setdefault(run.folder, run)
+                if other is not run:
+                    raise ConfigError(
+                        f"sweep: {describe(other)} and {describe(run)} would share the folder "
+                        f"'{run.folder}'; add distinguishing fields to --name"
+                    )
+                check_saved_config(run)
+                plan.runs.append(run)
+    check_axes_used(axes, used, skips)
+    return plan
 
 
 def plan_sweep(
@@ -209,26 +324,8 @@ def plan_sweep(
     sets: Sequence[str] = (),
     name: str = DEFAULT_NAME,
 ) -> list[PlannedRun]:
-    """Every run of the sweep, seed-major (all configs and grid points of a seed before the next seed, so
-    that paired comparisons fill in early). Validates every config up front; raises ConfigError."""
-    axes = parse_grid(grid)
-    points = list(itertools.product(*[[(k, v) for v in vals] for k, vals in axes]))
-    runs: list[PlannedRun] = []
-    owners: dict[Path, PlannedRun] = {}
-    seed_list: Sequence[int | None] = seeds or [None]
-    for seed in seed_list:
-        for path in map(Path, configs):
-            for point in points:
-                run = _plan_one(path, Path(out), point, seed, sets, name)
-                other = owners.setdefault(run.folder, run)
-                if other is not run:
-                    raise ConfigError(
-                        f"sweep: {describe(other)} and {describe(run)} would share the folder "
-                        f"'{run.folder}'; add distinguishing fields to --name"
-                    )
-                check_saved_config(run)
-                runs.append(run)
-    return runs
+    """:func:`plan_runs`' runs (the skipped grid points left out)."""
+    return plan_runs(configs, out, seeds, grid, sets, name).runs
 
 
 def describe(run: PlannedRun) -> str:
@@ -268,11 +365,13 @@ class SweepOutcome:
 def execute_run(config: dict[str, Any], folder: Path, on_round: Any = None) -> dict[str, Any]:
     """Run one resolved config into ``folder``, resuming whatever is there (the plan checked its config)."""
     from fedskew.experiment.config import build_config
+    from fedskew.experiment.failure import check_finished
     from fedskew.experiment.runner import run_experiment
 
     resume = folder.is_dir() and any(folder.iterdir())
     summary = run_experiment(build_config(config), folder, resume=resume, on_round=on_round)
     (folder / ERROR_FILE).unlink(missing_ok=True)
+    check_finished(summary, folder)  # a run that counts as failed (its files written) fails the sweep
     return summary
 
 

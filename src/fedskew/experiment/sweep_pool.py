@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.engine.workers import die_with_parent
+from fedskew.experiment.failure import recorded_failure
 from fedskew.experiment.sweep import (
     PlannedRun,
     RunState,
@@ -180,6 +181,9 @@ def run_sweep(
     listener = listener or SweepListener()
     outcome = SweepOutcome(skipped=[r for r in runs if r.state is RunState.FINISHED])
     todo = [r for r in runs if r.state is not RunState.FINISHED]
+    for r in outcome.skipped:  # finished earlier but counted as failed: still failed (not rerun)
+        if (reason := recorded_failure(r.folder)) is not None:
+            outcome.failed.append((r, reason))
     if jobs <= 1 or len(todo) <= 1:
         run_in_process(todo, threads, listener, outcome)
     else:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import Config, LogSection, MlflowLog, WandbLog, flatten_config
+from fedskew.experiment.config import Config, LogSection, MlflowLog, WandbLog
+from fedskew.experiment.config_diff import flatten as flatten_config
 from fedskew.experiment.fairness import client_accuracies, client_fairness
 from fedskew.registry import Registry
 

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
+from fedskew.flower.logs import FLOWER_LOG, append_process_logs
 from fedskew.flower.node import THREADS_KEY
 from fedskew.flower.silos import DATA_ROOT_KEY
 from fedskew.flower.versions import STATE_DIR_KEY
 from fedskew.flower.warm import SOCKET_ENV
+from fedskew.threads import resolve_threads
 
 if TYPE_CHECKING:
     from fedskew.flower.apps import Job
@@ -48,14 +50,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node_threads(nodes: int) -> int:
-    """Torch threads per node when ``nodes`` nodes share this machine: an equal share of the cores this
-    process may run on (at least one), so that nodes training at once do not oversubscribe them."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, nodes))
+def node_threads(nodes: int, requested: int = 0) -> int:
+    """Torch threads per node when ``nodes`` nodes share this machine: ``requested`` (``engine.threads``)
+    if positive, else fedskew's one thread policy (:func:`fedskew.threads.resolve_threads`): an equal share
+    of the cores free now (at least one), so that nodes training at once do not oversubscribe them."""
+    return resolve_threads(requested, nodes)[0]
 
 
 def _bin(name: str) -> str:
@@ -91,14 +90,13 @@ def deployment_pids(home: Path) -> list[int]:
 class LocalDeployment:
     """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` experiments on it.
 
-    ``node_config``: extra node-config values per node index (e.g. ``data-root``; ``threads`` overrides the
-    default share of the cores, :func:`node_threads`). ``tls``: serve over TLS
-    (else ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index
-    authenticates with; with any, the SuperLink runs with ``--enable-supernode-auth`` and the public keys
-    in ``registered`` are registered with ``flwr supernode register``. ``state_root``: where node ``i`` keeps
-    its clients' states (``state_root/i``; default: in the temporary folder, gone at the end). ``warm``:
-    the SuperNodes' ClientApp processes are forked from one process that has imported Flower's ClientApp
-    runtime, torch and fedskew already (:mod:`fedskew.flower.warm`), instead of each importing them."""
+    ``node_config``: extra node-config values per node index (e.g. ``data-root``; ``threads`` overrides
+    ``threads``: torch threads per node, 0 for :func:`node_threads`). ``tls``: serve over TLS (else
+    ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index authenticates with;
+    with any, the SuperLink runs with ``--enable-supernode-auth`` and registers the public keys in
+    ``registered``. ``state_root``: where node ``i`` keeps its clients' states (``state_root/i``; default: the
+    temporary folder). ``warm``: ClientApp processes are forked from one process that has imported Flower,
+    torch and fedskew already (:mod:`fedskew.flower.warm`). ``log_file``: the processes' output goes there."""
 
     nodes: int
     tls: Tls | None = None
@@ -110,6 +108,8 @@ class LocalDeployment:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
     warm: bool = True
+    threads: int = 0  # decided once when the deployment starts, before any process of ours loads the cores
+    log_file: Path | None = None
 
     # ------------------------------------------------------------------ processes
     def env(self) -> dict[str, str]:
@@ -158,7 +158,7 @@ class LocalDeployment:
             "partition-id": str(index),
             "num-partitions": str(self.nodes),
             STATE_DIR_KEY: str((self.state_root or self.home / "node-state") / str(index)),
-            THREADS_KEY: str(node_threads(self.nodes)),
+            THREADS_KEY: str(self.threads or node_threads(self.nodes)),
             **self.node_config.get(index, {}),
         }
         pairs = " ".join(f"{k}={v}" if v.isdigit() else f"{k}={json.dumps(v)}" for k, v in cfg.items())
@@ -188,6 +188,7 @@ class LocalDeployment:
         self.close()
 
     def start(self) -> None:
+        self.threads = node_threads(self.nodes, self.threads)
         self.port = free_port()
         self.write_flower_config()
         args = [_bin("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
@@ -226,6 +227,8 @@ class LocalDeployment:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.procs.clear()
+        if self.log_file is not None:
+            append_process_logs([(p.stem, p) for p in sorted(self.home.glob("*.log"))], self.log_file)
         shutil.rmtree(self.home, ignore_errors=True)
 
     def wait_port(self) -> None:
@@ -301,7 +304,7 @@ class LocalDeployment:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # Flower prints "Using SuperLink: ..." each time
                 connection = read_superlink_connection("local")
-            client = init_http_client_from_connection(connection)
+                client = init_http_client_from_connection(connection)
             try:
                 res = client.ListRuns(ListRunsRequest(run_id=run_id))
             finally:
@@ -347,5 +350,9 @@ def run_deployment(cfg: Config, out: str | Path | None, resume: bool, force: boo
             shutil.rmtree(states, ignore_errors=True)
         roots = dict(enumerate(cfg.data.nodes.roots)) if cfg.data.source == "nodes" else {}
         own = {i: {DATA_ROOT_KEY: str(Path(root).expanduser().resolve())} for i, root in roots.items()}
-        with LocalDeployment(cfg.engine.nodes, state_root=states, node_config=own) as dep:
+        deployment = LocalDeployment(
+            cfg.engine.nodes, state_root=states, node_config=own, threads=cfg.engine.threads
+        )
+        deployment.log_file = target / FLOWER_LOG  # Flower's processes' output beside the results
+        with deployment as dep:
             return dep.run([Job(cfg, target, resume, force)])[0]

@@ -22,13 +22,17 @@ if TYPE_CHECKING:
 def run_flower(
     cfg: Config, out: str | Path | None, *, resume: bool = False, force: bool = False
 ) -> dict[str, Any]:
-    """Run ``cfg`` on its ``engine.runtime`` and return the summary (results files in ``out``)."""
+    """Run ``cfg`` on its ``engine.runtime`` and return the summary (results files in ``out``; Flower's own
+    log in ``out/flower.log``, :mod:`fedskew.flower.logs`)."""
     require_flwr()
-    if cfg.engine.runtime == "flower-simulation":
-        return run_simulation(cfg, out, resume, force)
     from fedskew.flower.deploy import run_deployment
+    from fedskew.flower.logs import FLOWER_LOG, flower_log
 
-    return run_deployment(cfg, out, resume, force)
+    runner = run_simulation if cfg.engine.runtime == "flower-simulation" else run_deployment
+    if out is None:
+        return runner(cfg, out, resume, force)
+    with flower_log(Path(out) / FLOWER_LOG):  # Flower's log in the run folder, not on the console
+        return runner(cfg, out, resume, force)
 
 
 def run_simulation(cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
