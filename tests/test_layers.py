@@ -115,3 +115,18 @@ def test_no_module_class_or_function_over_its_size_limit():
         if lines > limits[kind] and f"{rel}:{name}" not in LONG_FUNCTIONS
     ]
     assert not over, "\n".join(over)
+
+
+def test_no_test_asserts_a_literal_that_is_always_true():
+    """``assert {k: check(k) for k in ...}`` passes whatever the checks say (a non-empty dict is true): the
+    shape that hid SCAFFOLD's server-state parity in test_injection (issue 53, item 8)."""
+    always_true = (ast.Dict, ast.DictComp, ast.Set, ast.SetComp, ast.List, ast.ListComp, ast.Tuple,
+                   ast.GeneratorExp, ast.Constant, ast.JoinedStr, ast.Lambda)  # fmt: skip
+    tests = Path(__file__).parent
+    bad = [
+        f"{path.relative_to(tests)}:{node.lineno}"
+        for path in tests.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assert) and isinstance(node.test, always_true)
+    ]
+    assert not bad, bad
