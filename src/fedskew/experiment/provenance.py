@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fedskew
+from fedskew import threads
 
 if TYPE_CHECKING:  # the CLI imports this module for record_command before anything heavy
     from fedskew.experiment.config import Config
@@ -93,21 +94,13 @@ def package_versions() -> dict[str, str | None]:
     return {"python": platform.python_version(), **{name: version(name) for name in PACKAGES}}
 
 
-def threads_in_use() -> int:
-    """The torch threads of this process (intra-op pool)."""
-    import torch
-
-    return int(torch.get_num_threads())
-
-
 def machine(device: str) -> dict[str, Any]:
     """The platform, the cores (all, and those this process may run on), the threads and the device."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "platform": platform.platform(terse=True),
         "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "threads": threads_in_use(),
+        "usable_cores": threads.affinity_cores(),
+        "threads": threads.threads_in_use(),
         "device": device,
     }
 
@@ -159,8 +152,8 @@ def recorded_threads(previous: dict[str, Any] | None) -> int | None:
     reductions, and the automatic count depends on the load when a process starts, so re-deciding it would
     make the resumed rounds differ from an uninterrupted run's."""
     machine_ = previous.get("machine") if isinstance(previous, dict) else None
-    threads = machine_.get("threads") if isinstance(machine_, dict) else None
-    return threads if isinstance(threads, int) and threads > 0 else None
+    count = machine_.get("threads") if isinstance(machine_, dict) else None
+    return count if isinstance(count, int) and count > 0 else None
 
 
 def resumed(current: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:

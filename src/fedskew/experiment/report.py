@@ -19,7 +19,8 @@ import numpy as np
 import scipy.stats
 
 from fedskew.errors import FedskewError
-from fedskew.experiment.config import read_saved_config, results_config
+from fedskew.experiment.config import RUNTIME_ONLY as CONFIG_RUNTIME_ONLY
+from fedskew.experiment.config import WATCH_ONLY, read_saved_config, results_config
 from fedskew.experiment.config_diff import flatten as flatten_config
 from fedskew.experiment.runner import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -119,11 +120,13 @@ def value_text(value: Any) -> str:
 
 
 #: config keys (a name covers the keys below it) that change how a run is executed or watched, not its
-#: numbers: shown in a label only where labels would otherwise coincide
+#: numbers: shown in a label only where labels would otherwise coincide. It starts with what
+#: ``results_config`` leaves out (config.WATCH_ONLY, config.RUNTIME_ONLY), so the two cannot drift apart.
 RUNTIME_ONLY = (
-    "name", "log", "checkpoint", "data.root", "engine.workers", "engine.threads", "engine.memory_mb",
-    "engine.state_memory_mb", "engine.fold_uploads", "engine.max_skipped_share", "engine.round_timeout",
-    "engine.ray_address", "engine.runtime", "engine.nodes",
+    *WATCH_ONLY, *(f"{section}.{key}" for section, keys in CONFIG_RUNTIME_ONLY.items() for key in keys),
+    "checkpoint", "data.root", "engine.workers", "engine.memory_mb", "engine.state_memory_mb",
+    "engine.fold_uploads", "engine.max_skipped_share", "engine.round_timeout", "engine.ray_address",
+    "engine.runtime", "engine.nodes",
 )  # fmt: skip
 #: keys the label itself shows (algorithm | dataset partition(args) | model), and the seed
 IN_LABEL = ("seed", "algorithm.name", "data.dataset", "data.partition", "model.name")
