@@ -92,3 +92,30 @@ def test_list_of_an_unknown_kind_names_the_allowed_ones():
     assert "allowed: algorithms, executors, models, datasets, partitions, backbones, generators" in str(
         res.exception
     )
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
+    """While a progress bar is live on a terminal, rich swaps ``sys.stderr`` for a proxy that prints above
+    the bar; a handler that kept the stream it was made with wrote between the bar's redraws, which erased
+    or repeated log lines. The CLI's handler writes to whatever ``sys.stderr`` is when the record comes."""
+    import io
+    import logging
+
+    from fedskew.cli.common import LiveStderrHandler
+
+    handler = LiveStderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("fedskew.test_console")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        first, then = io.StringIO(), io.StringIO()
+        monkeypatch.setattr("sys.stderr", first)
+        logger.warning("round 1: [rejected]")
+        monkeypatch.setattr("sys.stderr", then)  # the live display's proxy
+        logger.warning("round 2: [rejected]")
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+    assert first.getvalue() == "WARNING round 1: [rejected]\n"
+    assert then.getvalue() == "WARNING round 2: [rejected]\n"
