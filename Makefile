@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-flower lint bench install clean
+.PHONY: demo test test-fast test-flower test-kernels lint bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,7 +25,13 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	# the type checker over src/ (settings: pyproject's [tool.mypy])
 	$(BIN)/python -m mypy src/fedskew
-	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" tests
+	# the 25 slowest tests are printed: the suite is kept under ~8 minutes on 2 cores
+	$(BIN)/python -m pytest -n 2 -m "not flower_runtime" --durations=25 tests
+
+# only the tests whose numbers depend on PyTorch's CPU kernels (tests/conftest.py KERNELS): CI runs them a
+# second time on ATen's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 make test-kernels)
+test-kernels: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m "kernels and not flower_runtime" --durations=25 tests
 
 # Flower's Ray simulation of the listed methods and the CLI's loopback deployment (~3 minutes of start-ups);
 # the TLS + authentication deployment tests (node kill, ServerApp resume) run in `make test`

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import io
 import json
 import os
 import random
@@ -41,6 +40,11 @@ from typing import Any
 
 import torch
 import yaml
+
+if __package__ in (None, ""):  # run as a script (`python benchmarks/faults.py`): the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cli_calls import cli_exit_code, one_line, run_cli  # after the path
 
 from fedskew.algorithms.base import ALGORITHMS, LocalOutput, Payload
 from fedskew.algorithms.fedavg import FedAvg
@@ -168,7 +172,7 @@ class Forked:
                 # the parent's sys.stderr may be a capture (pytest): the child writes to the real fd 2
                 sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
                 sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-                code = _cli_exit_code(argv)
+                code = cli_exit_code(argv)
             finally:
                 with contextlib.suppress(Exception):
                     sys.stderr.flush()
@@ -197,23 +201,6 @@ class Forked:
     def communicate(self, timeout: float | None = None) -> tuple[None, str]:
         self.wait(timeout)
         return None, self.errfile.read_text(errors="replace")
-
-
-def _cli_exit_code(argv: list[str]) -> Any:
-    """Run the CLI's ``main`` on ``argv``; its exit code (an escaped exception prints its traceback)."""
-    from fedskew import cli
-
-    sys.argv = ["fedskew", *argv]
-    try:
-        cli.main()
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        return "exception"
 
 
 class Campaign:
@@ -416,19 +403,6 @@ def _group_alive(pgid: int, wait: float = 60.0) -> bool:
 
 
 # ---------------------------------------------------------------------------- in-process runs
-def run_cli(*argv: str) -> tuple[Any, str]:
-    """``fedskew <argv>`` through the CLI's ``main`` in this process: (exit code, stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = _cli_exit_code(list(argv))
-    return code, err.getvalue()
-
-
-def one_line(err: str) -> bool:
-    lines = [x for x in err.splitlines() if not x.startswith("WARNING ")]
-    return len(lines) == 1 and "Traceback" not in err
-
-
 class Faulty(FedAvg):
     """FedAvg whose ``victims`` fail in round ``round_``: ``kind`` is raise, nan, inf or explode (weights
     x 1e39, which overflows float32 to Inf)."""
@@ -706,7 +680,6 @@ def main() -> None:
     trials = args.trials if args.trials is not None else (1 if args.quick else 20)
     t0 = time.perf_counter()
     rows = run_campaign(trials, args.quick, args.seed)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.fuzz_config import fuzz_campaign
 
     fuzz = fuzz_campaign(args.fuzz if args.fuzz is not None else (100 if args.quick else 1000))

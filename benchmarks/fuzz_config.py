@@ -171,7 +171,7 @@ class Outcome:
 
 
 def check_one(work: Path, raw: bytes, sets: list[str], what: str) -> Outcome:
-    from benchmarks.faults import run_cli
+    from benchmarks.cli_calls import run_cli
 
     path = work / "fuzz.yaml"
     path.write_bytes(raw)

@@ -13,6 +13,10 @@ inherit it, the spawned workers of a sweep get it because ``multiprocessing`` im
 module in them, and a Flower app made by :func:`barrier_app` installs it in its ServerApp and ClientApp
 processes. ``src/`` has no test-only path: a resumed run is the plain command.
 
+With ``release`` a process at the barrier goes on once ``FOLDER/release`` exists (:func:`release`): a test
+holds a run at a round until an event it waits for has happened. :func:`barrier_app` takes several barriers
+(one :func:`barrier_spec` each), e.g. a node held in round 2 and the server held in round 3.
+
 ``python -m tests.barrier_run ARGS`` (from the repository root) is ``fedskew ARGS`` with the barrier.
 """
 
@@ -33,20 +37,38 @@ ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 600.0
 
 
-def barrier_env(
+def barrier_spec(
     round_: int,
     folder: Path,
-    env: dict[str, str] | None = None,
     *,
     hook: str = "broadcast",
     cids: list[int] | None = None,
     once: bool = False,
+    release: bool = False,
+) -> dict[str, Any]:
+    """A barrier at ``hook`` of round ``round_``, events in ``folder`` (created)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "round": round_,
+        "folder": str(folder),
+        "hook": hook,
+        "cids": cids,
+        "once": once,
+        "release": release,
+    }
+
+
+def barrier_env(
+    round_: int, folder: Path, env: dict[str, str] | None = None, **options: Any
 ) -> dict[str, str]:
     """``env`` (default: this process's) with a barrier at ``hook`` of round ``round_``, events in
     ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = {"round": round_, "folder": str(folder), "hook": hook, "cids": cids, "once": once}
-    return {**(os.environ if env is None else env), ENV: json.dumps(spec)}
+    return {**(os.environ if env is None else env), ENV: json.dumps(barrier_spec(round_, folder, **options))}
+
+
+def release(folder: Path) -> None:
+    """Let the processes held at a ``release`` barrier whose events go to ``folder`` go on."""
+    (folder / "release").touch()
 
 
 def arrived(folder: Path) -> list[int]:
@@ -67,10 +89,11 @@ def wait_for_barrier(folder: Path, proc: subprocess.Popen[Any] | None = None, co
     return pids
 
 
-def barrier_app(target: Path, round_: int, folder: Path, **options: Any) -> Path:
-    """A Flower app in ``target``: fedskew's ServerApp and ClientApp with the barrier installed in their
-    processes (Flower starts them with the SuperLink's / SuperNode's environment, so the spec is written
-    into the app). Submit it in place of ``fedskew.flower.deploy.APP_DIR``."""
+def barrier_app(target: Path, *specs: dict[str, Any]) -> Path:
+    """A Flower app in ``target``: fedskew's ServerApp and ClientApp with the barriers ``specs``
+    (:func:`barrier_spec`) installed in their processes (Flower starts them with the SuperLink's /
+    SuperNode's environment, so the specs are written into the app). Submit it in place of
+    ``fedskew.flower.deploy.APP_DIR``."""
     from fedskew.flower.deploy import APP_DIR
 
     target.mkdir(parents=True)
@@ -78,7 +101,7 @@ def barrier_app(target: Path, round_: int, folder: Path, **options: Any) -> Path
     pyproject = pyproject.replace('name = "fedskew-flower"', 'name = "fedskew-barrier"')
     pyproject = pyproject.replace("fedskew.flower.apps:", "fedskew_barrier_app:")
     (target / "pyproject.toml").write_text(pyproject)
-    spec = barrier_env(round_, folder, {}, **options)[ENV]
+    spec = json.dumps(list(specs))
     (target / "fedskew_barrier_app.py").write_text(
         "import os\nimport sys\n\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
@@ -90,10 +113,20 @@ def barrier_app(target: Path, round_: int, folder: Path, **options: Any) -> Path
     return target
 
 
-def _install(spec: dict[str, Any]) -> contextlib.ExitStack:
+def _install(specs: dict[str, Any] | list[dict[str, Any]]) -> contextlib.ExitStack:
     from fedskew.algorithms import ALGORITHMS
 
+    stack = contextlib.ExitStack()
+    for spec in specs if isinstance(specs, list) else [specs]:
+        for name in ALGORITHMS.names():
+            stack.enter_context(ALGORITHMS.replaced(name, _held(ALGORITHMS.get(name), spec)))
+    return stack
+
+
+def _held(cls: type, spec: dict[str, Any]) -> type:
+    """``cls`` with its hook ``spec["hook"]`` held at the barrier ``spec``."""
     folder, hook, cids = Path(spec["folder"]), spec["hook"], spec["cids"]
+    released = folder / "release"
 
     def due(info: Any) -> bool:
         if info.round != spec["round"] or (cids is not None and info.cid not in cids):
@@ -110,15 +143,13 @@ def _install(spec: dict[str, Any]) -> contextlib.ExitStack:
         info = args[-1] if hook in ("broadcast", "aggregate") else args[0].info
         if due(info):
             (folder / str(os.getpid())).touch()
-            while True:  # short sleeps: a signal that arrives before the wait is still acted on
+            # short sleeps: a signal that arrives before the wait is still acted on
+            while not (spec.get("release") and released.exists()):
                 time.sleep(0.1)
-        return getattr(super(type(self), self), hook)(*args)
+        return getattr(super(held, self), hook)(*args)  # the class itself, not type(self): barriers nest
 
-    stack = contextlib.ExitStack()
-    for name in ALGORITHMS.names():
-        cls = ALGORITHMS.get(name)
-        stack.enter_context(ALGORITHMS.replaced(name, type(cls.__name__, (cls,), {hook: wrapped})))
-    return stack
+    held = type(cls.__name__, (cls,), {hook: wrapped})
+    return held
 
 
 #: the installed barrier, kept for the life of the process

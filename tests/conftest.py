@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from fedskew.algorithms.base import Context
 from fedskew.models.base import FedModel
 from fedskew.settings import ClientSection
+from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (the hooks)
 
 torch.set_num_threads(1)  # tests run in parallel (pytest -n 2) on 2 cores
 #: and so does every run a test starts, in this process (the CLI's thread policy: engine.threads auto
@@ -26,8 +28,35 @@ os.environ["OMP_NUM_THREADS"] = "1"
 FIRST = ("test_flower_deployment.py",)
 
 
+#: the tests whose numbers depend on which CPU kernels PyTorch picks: golden records, portable math, the
+#: optimizers against torch.optim, bit-parity between engine modes / runtimes / folding, the contract suite
+#: and the learning margins. ``make test-kernels`` (marker ``kernels``) runs only these: CI's second pass on
+#: ATen's AVX2 kernels (every ISA failure so far was a golden case: docs/decisions.md, "Golden results on
+#: every CPU" and "Portable float32 math")
+KERNELS = (
+    "test_golden.py",
+    "test_numerics.py",
+    "test_engine_sgd.py",
+    "test_engine_optim.py",
+    "test_engine_modes.py",
+    "test_folding.py",
+    "test_runtimes_agree.py",
+    "test_contract.py",
+    "test_learning.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kernels: depends on the CPU kernels (make test-kernels; conftest.KERNELS)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+    for item in items:
+        if item.path.name in KERNELS:
+            item.add_marker(pytest.mark.kernels)
 
 
 def data_root() -> Path | None:
@@ -132,3 +161,17 @@ def data_root_is_only_read(request: pytest.FixtureRequest) -> None:
             pytest.fail(f"tests wrote under the data root {root}: {', '.join(changed[:10])}", pytrace=False)
 
     request.addfinalizer(check)
+
+
+def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``fedskew ARGV`` in this process through ``fedskew.cli.main`` (its exit-code mapping included)."""
+    import fedskew.cli
+
+    monkeypatch.setattr(sys, "argv", ["fedskew", *argv])
+    try:
+        fedskew.cli.main()
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

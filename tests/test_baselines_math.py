@@ -514,7 +514,7 @@ def test_moon_local_loss_uses_global_positive_and_previous_negative(ctx: Context
 def test_local_sends_nothing_and_keeps_personal_weights(ctx: Context) -> None:
     ctx.initial_model = lambda cid: const_model(1.0)  # the run's initial model (built by the engine)
     alg = make("local", ctx)
-    assert alg.personalized_eval and not alg.server_learns
+    assert alg.personalized_eval and not alg.mean_aggregation
     init = const_model(1.0)
     server = alg.init_server(init)
     states = {cid: alg.init_client(cid) for cid in (0, 1)}

@@ -51,13 +51,17 @@ def test_init_writes_a_commented_starter_that_runs_as_is(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     config = tmp_path / "project" / "fedskew.yaml"
     text = config.read_text()
-    keys = ("rounds:", "dataset:", "num_clients:", "alpha:", "name: fedavg", "lr:", "protocol:", "threads:")
+    keys = ("plugins:", "rounds:", "dataset:", "num_clients:", "alpha:", "name: my_method", "lr:")
+    keys += ("protocol:", "threads:")
     for key in keys:
         line = next(line for line in text.splitlines() if line.strip().startswith(key))
         assert "#" in line, f"{key} has no comment"  # every main key explained where it is set
-    cfg = load_config(config)
-    assert cfg.data.dataset == "digits" and cfg.algorithm.name == "fedavg"
-    ran = invoke("run", str(config), "--out", str(tmp_path / "project" / "runs" / "first"))
+    with ALGORITHMS.restored():  # the user's method, loaded by plugins:, is forgotten after the test
+        cfg = load_config(config)
+        # the starter runs the user's own method, from the file beside the config (plugins:)
+        assert cfg.data.dataset == "digits" and cfg.algorithm.name == "my_method"
+        assert cfg.plugins == [str((tmp_path / "project" / "my_method.py").resolve())]
+        ran = invoke("run", str(config), "--out", str(tmp_path / "project" / "runs" / "first"))
     assert ran.exit_code == 0, ran.output
     summary = json.loads((tmp_path / "project" / "runs" / "first" / "summary.json").read_text())
     assert summary["rounds"] == cfg.rounds and summary["final"]["accuracy"] > 0.5  # chance is 0.1

@@ -9,7 +9,6 @@ clients of different architectures.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -23,7 +22,9 @@ from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.testing import fingerprint
 from tests.conftest import VL_WORLD, digits_config
+from tests.test_mean_seam import check_declared_mean
 
 
 def package_algorithms() -> list[str]:
@@ -60,35 +61,6 @@ def tiny_config(name: str, rounds: int = 2, **engine: Any) -> dict:
     if "head_epochs" in alg.Params.model_fields:  # a head-then-body method: keep the head phase short
         cfg["algorithm"]["head_epochs"] = 1
     return cfg
-
-
-def fingerprint(obj: Any) -> str:
-    """A hash of a nested structure of tensors and plain values (contents, dtypes and shapes)."""
-    h = hashlib.sha256()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            t = o.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(o, dict):
-            h.update(b"{")
-            for k in sorted(o, key=repr):
-                h.update(repr(k).encode())
-                walk(o[k])
-            h.update(b"}")
-        elif isinstance(o, (list, tuple)):
-            h.update(b"[")
-            for v in o:
-                walk(v)
-            h.update(b"]")
-        elif hasattr(o, "__dataclass_fields__"):
-            walk({k: getattr(o, k) for k in o.__dataclass_fields__})
-        else:
-            h.update(repr(o).encode())
-
-    walk(obj)
-    return h.hexdigest()
 
 
 def metrics_of(out: Path) -> list[dict]:
@@ -144,7 +116,8 @@ def test_hooks_do_not_mutate_their_inputs(name):
     new = alg.aggregate(sim.server, uploads, RoundInfo(r, None, sim.seed)).state
     assert fingerprint(sim.server) == server_print, f"{name}.aggregate mutated the server state"
     assert fingerprint(uploads) == upload_print, f"{name}.aggregate mutated the uploads"
-    assert new is not sim.server or not alg.server_learns
+    assert new is not sim.server or not any(u.payload.arrays for u in uploads)  # uploads change the server
+    check_declared_mean(alg, sim.server, uploads, RoundInfo(r, None, sim.seed))  # the folded path's
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ every engine mode it claims, so a new method is covered without edits:
 
 * ``start_local`` and ``init_scratch`` leave the model's weights alone;
 * no hook changes the algorithm object, except the caches it declares in ``working_buffers``;
-* no client hook mutates its step's payload or state, in the sequential and the vectorized path;
+* no client hook mutates its step's payload or state, in the sequential and the vectorized path (nor does
+  ``adapt_for_eval``, which the personalized evaluation of every round runs);
 * a federation with clients that have no training data and clients that have no test data runs, under
   every evaluation protocol the algorithm supports, with every upload accepted and the empty clients left
   out of the per-client accuracy.
@@ -12,19 +13,14 @@ every engine mode it claims, so a new method is covered without edits:
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any
 
 import pytest
 
 from fedskew.algorithms import ALGORITHMS
-from fedskew.algorithms.base import Algorithm, ContractError, LocalStep
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_data, build_simulation
-from tests.test_contract import NAMES, fingerprint, tiny_config
-
-#: each algorithm object's fingerprint when a hook first saw it: hooks must never change it
-_REFERENCE: weakref.WeakKeyDictionary[Algorithm, str] = weakref.WeakKeyDictionary()
+from fedskew.testing import checked
+from tests.test_contract import NAMES, tiny_config
 
 
 def modes_of(name: str) -> list[str]:
@@ -34,53 +30,6 @@ def modes_of(name: str) -> list[str]:
 def protocols_of(name: str) -> list[str]:
     cls = ALGORITHMS.get(name)
     return ["personalized"] if cls.requires_personalized_eval else ["global", "personalized"]
-
-
-def checked(cls: type[Algorithm]) -> type[Algorithm]:
-    """``cls`` with the contract's rules asserted around its client hooks (a ContractError, which the engine
-    never mistakes for a client's failure)."""
-
-    def own(alg: Algorithm) -> str:
-        return fingerprint({k: v for k, v in vars(alg).items() if k not in cls.working_buffers})
-
-    def same_self(alg: Algorithm, hook: str) -> None:
-        if _REFERENCE.setdefault(alg, own(alg)) != own(alg):
-            raise ContractError(f"{cls.name}.{hook} changed the algorithm object outside working_buffers")
-
-    def inputs(step: LocalStep) -> str:
-        return fingerprint((step.payload, step.state))
-
-    class Checked(cls):  # type: ignore[valid-type, misc]
-        def start_local(self, step: LocalStep) -> Any:
-            same_self(self, "start_local")
-            weights, seen = fingerprint(step.model.state_dict()), inputs(step)
-            plan = super().start_local(step)
-            if fingerprint(step.model.state_dict()) != weights:
-                raise ContractError(f"{cls.name}.start_local changed the model's weights")
-            if inputs(step) != seen:
-                raise ContractError(f"{cls.name}.start_local mutated its payload or state")
-            same_self(self, "start_local")
-            return plan
-
-        def init_scratch(self, step: LocalStep) -> Any:
-            weights, seen = fingerprint(step.model.state_dict()), inputs(step)
-            scratch = super().init_scratch(step)
-            if fingerprint(step.model.state_dict()) != weights or inputs(step) != seen:
-                raise ContractError(f"{cls.name}.init_scratch changed the model, its payload or state")
-            same_self(self, "init_scratch")
-            return scratch
-
-        def finish_local(self, step: LocalStep, result: Any) -> Any:
-            same_self(self, "local_loss")  # the losses of this client (and, vectorized, its chunk) ran
-            seen = inputs(step)
-            out = super().finish_local(step, result)
-            if inputs(step) != seen:
-                raise ContractError(f"{cls.name}.finish_local mutated its payload or state")
-            same_self(self, "finish_local")
-            return out
-
-    Checked.__name__ = cls.__name__
-    return Checked
 
 
 @pytest.mark.parametrize(("name", "mode"), [(n, m) for n in NAMES for m in modes_of(n)])

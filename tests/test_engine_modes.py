@@ -148,7 +148,9 @@ def test_auto_vectorizes_small_dropout_free_models_only():
     assert _auto_choice(tiny) == "sequential"  # shipping every upload back would cost more than training
     tiny["engine"]["fold_uploads"] = True  # folded in the workers, a round ships no upload
     assert _auto_choice(tiny) == "workers"
-    tiny["algorithm"] = {"name": "scaffold"}  # its own aggregation: nothing to fold
+    tiny["algorithm"] = {"name": "scaffold"}  # a uniform mean (contract v4): folded too
+    assert _auto_choice(tiny) == "workers"
+    tiny["algorithm"] = {"name": "qfedavg"}  # its own aggregation (not a mean): nothing to fold
     assert _auto_choice(tiny) == "sequential"
 
 

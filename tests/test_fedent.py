@@ -45,6 +45,7 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation
 from fedskew.settings import ClientSection
 from tests.conftest import digits_config
+from tests.paired import assert_paired, baseline_accuracy, digits_run, pair
 
 F64 = torch.float64
 BETA = 0.99
@@ -434,10 +435,13 @@ def test_beta_zero_decays_the_learning_rate_by_gamma():
     [{"name": "fedent"}, {"name": "fednorm", "step_estimate": "global_step"}, {"name": "fedcos"}],
     ids=["fedent", "fednorm", "fedcos"],
 )
-def test_learns_on_digits_and_checkpoints(algorithm):
+def test_learns_on_digits_keeps_up_with_fedavg_and_checkpoints(algorithm):
+    """Paired with the run's untrained model (0.10) and FedAvg on the same seed and partition (0.867), at
+    most 0.05 under it. Measured at seed 0: FedEnt 0.861, FedNorm 0.867, FedCos 0.858."""
     sim = _run(algorithm, rounds=8, eval={"protocol": "global", "every": 4})
     final = sim.history[-1]
-    assert final["accuracy"] >= 0.8, final  # chance is 0.1
+    raw = digits_run(algorithm)  # the same federation and schedule as the run's
+    assert_paired(pair(raw, final["accuracy"]), baseline_accuracy(raw, {"name": "fedavg"}), below=0.05)
     name = algorithm["name"]
     if name != "fedcos":
         assert 0.0 <= final[f"{name}_eta_min"] <= final[f"{name}_eta_max"] <= 1.0

@@ -35,6 +35,7 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation
 from tests.conftest import TinyLinearModel as Lin
 from tests.conftest import digits_config, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, pair
 
 
 def tiny_fednh(**params):
@@ -267,7 +268,10 @@ def test_bad_hyper_parameters_are_rejected_with_a_clear_error(key, value, match)
 
 
 # ------------------------------------------------------------------------------------ (4) end to end
-def test_fednh_learns_on_digits_and_beats_its_initial_prototypes():
+def test_fednh_learns_on_digits_beats_fedavg_and_its_initial_prototypes():
+    """Paired on the same seed and partition: the untrained model with the uniform prototypes (0.061) and
+    FedAvg with the same CNN, which is still slow here after 6 rounds. Measured at seed 0: FedNH 0.814,
+    FedAvg 0.461."""
     cfg = digits_config(
         rounds=6,
         model={"name": "cnn_fedproto", "padding": 2},
@@ -278,7 +282,9 @@ def test_fednh_learns_on_digits_and_beats_its_initial_prototypes():
     sim = build_simulation(build_config(cfg))
     records = [sim.run_round().record for _ in range(6)]
     acc = [r["accuracy"] for r in records if r is not None]
-    assert acc[-1] >= 0.7, acc  # chance 0.1; ~0.81 at seed 0 (FedAvg: ~0.46 in this setting)
+    assert_paired(pair(cfg, acc[-1]))
+    fedavg = baseline_accuracy({**cfg, "eval": {"protocol": "global", "every": 6}}, {"name": "fedavg"})
+    assert acc[-1] >= fedavg + 0.2, (acc, fedavg)
     assert acc[-1] > acc[0], acc
     last = records[-1]
     assert last is not None

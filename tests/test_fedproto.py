@@ -25,6 +25,7 @@ from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.models.base import MODELS, count_parameters
 from tests.conftest import TinyLinearModel as Lin
 from tests.conftest import digits_config, tiny_context
+from tests.paired import GAIN, assert_paired, baseline_accuracy, pair, run_paired
 
 MH = {"0-1": {"conv2_channels": 18}, "2-3": {"conv2_channels": 20}, "4-5": {"conv2_channels": 22}}
 
@@ -118,16 +119,20 @@ def test_prototype_level_regularizer_is_sample_form_minus_within_class_scatter()
     assert abs(float(sample) - float(proto) - scatter / (12 * 3)) < 1e-5
 
 
-def test_only_prototypes_cross_the_network():
+def test_only_prototypes_cross_the_network(monkeypatch):
     sim = build_simulation(build_config(kshot_config({"name": "fedproto"})))
     seen_up: list[Payload] = []
     seen_down: list[Payload] = []
-    aggregate, broadcast = sim.algorithm.aggregate, sim.algorithm.broadcast
-    sim.algorithm.aggregate = lambda s, ups, info: (
-        seen_up.extend(u.payload for u in ups),
-        aggregate(s, ups, info),
-    )[1]
-    sim.algorithm.broadcast = lambda s, info: (lambda p: (seen_down.append(p), p)[1])(broadcast(s, info))
+    cls = type(sim.algorithm)  # spies on the class: a hook may not add attributes to the object
+    aggregate, broadcast = cls.aggregate, cls.broadcast
+    monkeypatch.setattr(
+        cls,
+        "aggregate",
+        lambda a, s, ups, info: (seen_up.extend(u.payload for u in ups), aggregate(a, s, ups, info))[1],
+    )
+    monkeypatch.setattr(
+        cls, "broadcast", lambda a, s, info: (lambda p: (seen_down.append(p), p)[1])(broadcast(a, s, info))
+    )
     assert not sim.server["present"].any()  # round 1 starts from an empty prototype set
     sim.run_round()
     assert all(p.arrays["protos"].shape[0] == 0 for p in seen_down[: sim.num_clients])
@@ -156,25 +161,30 @@ def test_fedproto_with_lambda_zero_is_local():
 
 
 def test_heterogeneous_models_train_together_and_learn():
-    cfg = build_config(
-        kshot_config(
-            {"name": "fedproto"}, rounds=6, model={"name": "cnn_fedproto", "padding": 2, "per_client": MH}
-        )
+    """Paired with the same models untrained (0.083); measured at seed 0: 0.958."""
+    raw = kshot_config(
+        {"name": "fedproto"}, rounds=6, model={"name": "cnn_fedproto", "padding": 2, "per_client": MH}
     )
+    cfg = build_config(raw)
     sim = build_simulation(cfg)
     sizes = {count_parameters(sim.executor.runtime.models.model_for(c)) for c in range(6)}
     assert len(sizes) == 3
     for _ in range(cfg.rounds):
         sim.run_round()
     final = sim.history[-1]
-    assert final["accuracy"] > 0.8, final
+    assert_paired(pair(raw, final["accuracy"]))
     assert final["proto_classes"] == 10
 
 
-def test_fedproto_learns_on_digits_nway_kshot():
-    summary = run_experiment(build_config(kshot_config({"name": "fedproto"}, rounds=8)))
-    assert summary["final"]["accuracy"] >= 0.9, summary["final"]  # nearest global prototype, own classes
-    assert summary["final"]["accuracy_logits"] >= 0.85, summary["final"]
+def test_fedproto_learns_on_digits_nway_kshot_and_keeps_up_with_local():
+    """Paired with the untrained model (0.083 by prototype, 0.125 by logits) and Local (every client alone,
+    its λ = 0 case, 0.967) on the same seed and tasks, at most 0.03 under it. Measured at seed 0: 0.979
+    by the nearest global prototype over the client's own classes, 0.983 by the logits (FedAvg: 0.678)."""
+    raw = kshot_config({"name": "fedproto"}, rounds=8)
+    paired = run_paired(raw)
+    assert_paired(paired, baseline_accuracy(raw, {"name": "local"}), below=0.03)
+    logits = paired.summary["final"]["accuracy_logits"] - paired.before["accuracy_logits"]
+    assert logits >= GAIN, (paired.summary["final"], paired.before)
 
 
 # ------------------------------------------------------------------------------ FedPer / FedRep
@@ -187,13 +197,17 @@ def test_personal_splits_of_the_fedproto_cnn():
     assert shared == 5280  # conv layers: Table 1's FedPer upload 20 x 5,280 = 105.6k
 
 
-def test_fedper_uploads_only_shared_layers_and_keeps_its_head():
+def test_fedper_uploads_only_shared_layers_and_keeps_its_head(monkeypatch):
     cfg = kshot_config({"name": "fedper", "personal": "linear"}, rounds=2)
     cfg["engine"] = {**cfg.get("engine", {}), "fold_uploads": False}  # the uploads reach `aggregate` whole
     sim = build_simulation(build_config(cfg))
     ups: list[Payload] = []
-    aggregate = sim.algorithm.aggregate
-    sim.algorithm.aggregate = lambda s, u, r: (ups.extend(x.payload for x in u), aggregate(s, u, r))[1]
+    aggregate = type(sim.algorithm).aggregate  # a spy on the class (a hook may not add attributes)
+    monkeypatch.setattr(
+        type(sim.algorithm),
+        "aggregate",
+        lambda a, s, u, r: (ups.extend(x.payload for x in u), aggregate(a, s, u, r))[1],
+    )
     sim.run_round()
     names = set(ups[0].model_state())
     model = sim.executor.runtime.models.model_for(0)
@@ -227,7 +241,9 @@ def test_fedrep_trains_head_on_a_frozen_body_then_the_body():
     assert phases[1].trainable("body.1.weight") and not phases[1].trainable("classifier.1.bias")
 
 
-def test_fedper_and_fedrep_learn_on_digits():
+def test_fedper_and_fedrep_learn_on_digits_and_keep_up_with_local():
+    """Paired with the untrained model (0.125) and Local (every client alone, 0.944) on the same seed and
+    tasks, at most 0.05 under it. Measured at seed 0: FedPer 0.937, FedRep 0.962 (FedAvg: 0.519)."""
     for alg in ({"name": "fedper"}, {"name": "fedrep", "head_epochs": 2}):
-        summary = run_experiment(build_config(kshot_config(alg, rounds=6)))
-        assert summary["final"]["accuracy"] >= 0.85, (alg, summary["final"])
+        raw = kshot_config(alg, rounds=6)
+        assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below=0.05)

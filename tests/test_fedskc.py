@@ -40,6 +40,7 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
 from fedskew.models.base import embed_in_chunks
 from tests.conftest import TinyLinearModel, digits_config, requires_data, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, run_paired
 
 
 def hand_protos():
@@ -265,9 +266,11 @@ def test_all_components_off_is_fedavg(tmp_path):
     assert a["final"]["loss"] == pytest.approx(b["final"]["loss"], rel=1e-6)
 
 
-def test_fedskc_learns_on_digits_and_logs_gda_and_gpr(tmp_path):
-    summary = run_experiment(build_config(skc_config({"name": "fedskc"}, rounds=10)), tmp_path / "skc")
-    assert summary["final"]["accuracy"] >= 0.8
+def test_fedskc_learns_on_digits_keeps_up_with_fedavg_and_logs_gda_and_gpr(tmp_path):
+    """Paired with the run's untrained model (0.10) and FedAvg on the same seed, partition and client
+    sampling, at most 0.05 under it. Measured at seed 0: FedSKC 0.914, FedAvg 0.881."""
+    raw = skc_config({"name": "fedskc"}, rounds=10)
+    assert_paired(run_paired(raw, tmp_path / "skc"), baseline_accuracy(raw, {"name": "fedavg"}), below=0.05)
     rows = [json.loads(line) for line in (tmp_path / "skc" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["gamma"] is None and rows[0]["lcl_loss"] == 0.0  # round 1: no c̃ yet
     assert all(math.isfinite(r["gamma"]) and r["lcl_loss"] > 0 for r in rows[1:])

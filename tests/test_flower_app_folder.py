@@ -53,7 +53,8 @@ def test_the_app_passes_flowers_checks_and_its_run_config_holds_the_resolved_con
     }
     assert doc["project"]["dependencies"][0].startswith("fedskew[flower]")
     rc = doc["tool"]["flwr"]["app"]["config"]
-    assert "\nconfig = '''\nname: null\nseed: 0\n" in (app / "pyproject.toml").read_text()  # readable YAML
+    readable_yaml = "\nconfig = '''\nname: null\nplugins: []\nseed: 0\n"
+    assert readable_yaml in (app / "pyproject.toml").read_text()
     assert (rc["out"], rc["resume"], rc["force"]) == ("/srv/runs/ditto", False, False)
     (job,) = run_config_jobs(rc)  # what the ServerApp runs: the embedded config, on a Flower deployment
     raw = cfg.to_dict()

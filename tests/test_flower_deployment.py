@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ from fedskew.experiment.runner import run_experiment
 from fedskew.flower import deploy
 from fedskew.flower.apps import Job
 from fedskew.flower.deploy import LocalDeployment, deployment_pids
-from tests.barrier_run import arrived, barrier_app
+from tests.barrier_run import arrived, barrier_app, barrier_spec, release
 from tests.flower_keys import write_node_key, write_tls
 from tests.silo_folders import write_silos
 from tests.test_flower import assert_same_metrics, embedded, flower_config, records
@@ -90,23 +91,24 @@ def _wait_for(dep: LocalDeployment, run_id: int, reached: Callable[[], bool], wh
         time.sleep(0.1)
 
 
-def _wait_for_round(dep: LocalDeployment, run_id: int, out: Path, n: int) -> None:
-    """Block until ``out/metrics.jsonl`` holds ``n`` rounds."""
-    _wait_for(dep, run_id, lambda: _lines(out) >= n, f"round {n}")
-
-
 def _submit_with_barrier(
-    dep: LocalDeployment, job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, round_: int, **options
+    dep: LocalDeployment, job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *specs: dict[str, Any]
 ) -> tuple[int, list[int]]:
-    """Submit ``job`` as a Flower app whose processes stop at a barrier (tests/barrier_run.py) in round
-    ``round_``; return the run id and the pids at the barrier once one process is there."""
-    events = tmp_path / "barrier"
-    app = barrier_app(tmp_path / "barrier-app", round_, events, **options)
+    """Submit ``job`` as a Flower app whose processes stop at the barriers ``specs`` (tests/barrier_run.py);
+    return the run id and the pids at the first barrier once one process is there."""
+    app = barrier_app(tmp_path / "barrier-app", *specs)
     with monkeypatch.context() as m:
         m.setattr(deploy, "APP_DIR", app)
         run_id = dep.submit([job])
-    _wait_for(dep, run_id, lambda: bool(arrived(events)), f"the barrier of round {round_}")
+    events = Path(specs[0]["folder"])
+    _wait_for(dep, run_id, lambda: bool(arrived(events)), f"the barrier of round {specs[0]['round']}")
     return run_id, arrived(events)
+
+
+def _logins(dep: LocalDeployment, name: str) -> int:
+    """How many times process ``name`` connected to the SuperLink: Flower logs the SuperNode ID once the
+    SuperLink has activated the node (listed online from then on); the log is appended across restarts."""
+    return dep.tail(name, 1_000_000).count("SuperNode ID")
 
 
 def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_unregistered_node(
@@ -165,22 +167,33 @@ def test_silos_each_serving_its_own_folder_give_the_embedded_metrics_and_a_misma
 def test_a_supernode_killed_mid_round_loses_its_clients_for_the_round_and_serves_again_after_a_restart(
     federation, tmp_path, monkeypatch
 ):
+    """Events, not round counts: node 1 (clients 1 and 4) waits with round 2's message at a barrier, where
+    the kill lands; the server waits at round 3's first hook until the restarted node has connected again
+    (its log's SuperNode ID line), so that no load on the machine can let round 3 start without it."""
     dep, out = federation.dep, tmp_path / "out"
-    raw = flower_config("fedavg", rounds=4, round_timeout=120)
+    raw = flower_config("fedavg", rounds=3, round_timeout=120)
     raw["client"]["fraction"] = 1.0
-    # node 1 (clients 1 and 4) waits with round 2's message at a barrier: the kill lands there
+    at_server = tmp_path / "server-barrier"
     run_id, _ = _submit_with_barrier(
-        dep, _job(raw, out), tmp_path, monkeypatch, 2, hook="start_local", cids=[1, 4], once=True
+        dep,
+        _job(raw, out),
+        tmp_path,
+        monkeypatch,
+        barrier_spec(2, tmp_path / "node-barrier", hook="start_local", cids=[1, 4], once=True),
+        barrier_spec(3, at_server, hook="broadcast", release=True),
     )
     assert _lines(out) == 1
+    logins = _logins(dep, "supernode-1")
     dep.kill("supernode-1", signal.SIGKILL)
-    _wait_for_round(dep, run_id, out, 2)
-    dep.start_node(1)  # same key, same Flower node id: it serves again once its heartbeat is current
+    _wait_for(dep, run_id, lambda: bool(arrived(at_server)), "the server at round 3")
+    assert _lines(out) == 2
+    dep.start_node(1)  # same key, same Flower node id: it serves again once the SuperLink activated it
+    _wait_for(dep, run_id, lambda: _logins(dep, "supernode-1") > logins, "node 1 connected again")
+    release(at_server)
     dep.wait(run_id, timeout=DEADLINE)
     recs = records(out)
     assert "dropped" not in recs[0] and recs[1]["dropped"] == [1, 4] and recs[1]["rejected"] == 0
-    assert set(recs[2].get("dropped", [])) <= {1, 4}  # round 3 may start before the node is back online
-    assert "dropped" not in recs[3] and recs[3]["round_bytes_up"] == recs[0]["round_bytes_up"]
+    assert "dropped" not in recs[2] and recs[2]["round_bytes_up"] == recs[0]["round_bytes_up"]
 
 
 def _server_apps(dep: LocalDeployment) -> list[int]:
@@ -204,7 +217,8 @@ def test_a_server_app_killed_mid_run_resumes_from_its_checkpoint_with_the_client
     reference = embedded(raw, tmp_path / "e")
     # the ServerApp waits at round 2's aggregation: the nodes have trained round 2 from round 1's variates
     # (their new states are saved) and the checkpoint holds round 1
-    run_id, (victim,) = _submit_with_barrier(dep, _job(raw, out), tmp_path, monkeypatch, 2, hook="aggregate")
+    barrier = barrier_spec(2, tmp_path / "barrier", hook="aggregate")
+    run_id, (victim,) = _submit_with_barrier(dep, _job(raw, out), tmp_path, monkeypatch, barrier)
     assert victim in _server_apps(dep) and _lines(out) == 1
     os.kill(victim, signal.SIGKILL)
     dep.stop(run_id)  # what an operator does on a crash: the nodes drop the dead run's messages at once

@@ -40,7 +40,7 @@ def _held_mean(cids, states, counts) -> dict[str, torch.Tensor]:
         Upload(c, n, Payload(arrays={f"model.{k}": v for k, v in s.items()}))
         for c, s, n in zip(cids, states, counts, strict=True)
     ]
-    return weighted_average([u.payload.model_state() for u in ups], sample_weights(ups))
+    return weighted_average([u.payload.arrays for u in ups], sample_weights(ups))  # by array name
 
 
 def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -83,10 +83,11 @@ def test_interleaved_shares_partition_the_round_in_order_with_balanced_costs():
     assert interleaved_shares([1.0], 4) == [[0]]
 
 
-def test_only_fedavgs_own_aggregation_is_folded():
+def test_declared_mean_methods_are_folded():
     folded = [n for n in ALGORITHMS.names() if folds_uploads(ALGORITHMS.get(n).__new__(ALGORITHMS.get(n)))]
-    assert {"fedavg", "fedprox", "moon", "fedper", "ditto"} <= set(folded)
-    assert not {"scaffold", "feddyn", "fedopt", "fedproto", "fednova"} & set(folded)
+    means = {"fedavg", "fedprox", "moon", "fedper", "ditto", "fedavgm", "fedadam", "scaffold", "fednova"}
+    assert means <= set(folded)
+    assert not {"fedproto", "qfedavg", "local", "fedfomo", "fedent"} & set(folded)
 
 
 def _cfg(alg: str = "fedavg", **engine) -> dict:

@@ -32,11 +32,9 @@ from fedskew.algorithms.feddecorr import decorrelation_loss
 from fedskew.algorithms.fedlc import calibration_shift
 from fedskew.algorithms.fedntd import global_logits, not_true_logits, ntd_loss
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import run_experiment
 from fedskew.models.base import FedModel
 from fedskew.settings import ClientSection
-from tests.conftest import digits_config
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 
 class Logits(FedModel):
@@ -283,14 +281,8 @@ def test_feddecorr_needs_a_model_with_features():
 # ==================================================================== end to end
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedlc", "fedntd", "feddecorr"])
-def test_learns_on_digits(name):
-    cfg = build_config(
-        digits_config(
-            rounds=8,
-            algorithm={"name": name},
-            eval={"protocol": "global", "every": 4},
-            checkpoint={"every": 0},
-        )
-    )
-    summary = run_experiment(cfg)
-    assert summary["final"]["accuracy"] >= 0.8, summary["final"]  # chance is 0.1; FedAvg reaches 0.85
+def test_learns_on_digits_and_keeps_up_with_fedavg(name):
+    """Paired with the run's untrained model (0.10) and FedAvg on the same seed and partition (0.867), at
+    most 0.05 under it. Measured at seed 0: FedLC 0.906, FedNTD 0.900, FedDecorr 0.861."""
+    raw = digits_run({"name": name})
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "fedavg"}), below=0.05)

@@ -39,9 +39,8 @@ from fedskew.algorithms.fedgen import (
     teacher_loss,
 )
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import run_experiment
-from tests.conftest import TinyLinearModel, digits_config, tiny_context
+from tests.conftest import TinyLinearModel, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 
 def tiny_model(
@@ -395,15 +394,10 @@ def test_ccvr_final_calibrates_only_in_the_last_round():
 # ========================================================================================== end to end
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "hyper"), [("fedgen", {}), ("ccvr", {})])
-def test_learns_on_digits(name, hyper):
-    cfg = build_config(
-        digits_config(
-            rounds=8,
-            algorithm={"name": name, **hyper},
-            eval={"protocol": "global", "every": 4},
-            checkpoint={"every": 0},
-        )
-    )
-    summary = run_experiment(cfg)
-    assert summary["final"]["accuracy"] >= 0.85, summary["final"]  # FedAvg: 0.87 here
+def test_learns_on_digits_and_keeps_up_with_fedavg(name, hyper):
+    """Paired with the run's untrained model (0.10) and FedAvg on the same seed and partition (0.867): the
+    server-side step (a generator, a calibrated head) may cost at most 0.05. Measured at seed 0: FedGen
+    0.894, CCVR 0.917."""
+    raw = digits_run({"name": name, **hyper})
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "fedavg"}), below=0.05)
     assert name in ALGORITHMS

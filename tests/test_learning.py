@@ -1,4 +1,9 @@
-"""End-to-end: every baseline learns on real data (scikit-learn digits always; MNIST when available)."""
+"""End-to-end: every baseline learns on real data (scikit-learn digits always; MNIST when available).
+
+Paired, not floors (issue 53, item 8): each method's final accuracy is compared with the untrained model
+of the same seed and partition (what "learns" means) and with FedAvg's on the same seed and partition
+(non-inferiority: a method whose own part broke but whose FedAvg core still trains ends well below it).
+"""
 
 from __future__ import annotations
 
@@ -9,37 +14,64 @@ from fedskew.data.base import resolve_root
 from fedskew.data.federated import build_federated
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
-from tests.conftest import digits_config, requires_data
+from tests.conftest import requires_data
+from tests.paired import baseline, digits_run, run_paired
 
-# (algorithm, hyper-parameters, protocol, minimum final accuracy after 8 rounds on digits)
+#: accuracy gained over the untrained model (same seed: 0.10 global, 0.12 personalized) after 8 rounds;
+#: the smallest gain measured is MOON's 0.66, FedAvg's 0.77
+GAIN = 0.5
+
+# (algorithm, hyper-parameters, protocol, how far below FedAvg's final accuracy on the same seed and
+# partition it may end; None: personalized, not comparable). Measured at seed 0, FedAvg 0.867: FedProx
+# 0.867, FedAvgM 0.914, FedAdam 0.822, FedYogi 0.819, FedAdagrad 0.944, FedDyn 0.933, SCAFFOLD 0.869,
+# MOON 0.764; Local (personalized) 0.887
 BASELINES = [
-    ("fedavg", {}, "global", 0.85),
-    ("fedprox", {"mu": 0.01}, "global", 0.85),
-    ("fedavgm", {}, "global", 0.80),
-    ("fedadam", {}, "global", 0.80),
-    ("fedyogi", {}, "global", 0.80),
-    ("fedadagrad", {"server_lr": 0.1}, "global", 0.80),  # Adagrad needs a larger server lr (Reddi et al.)
-    ("feddyn", {}, "global", 0.80),
-    ("scaffold", {}, "global", 0.85),
-    ("moon", {}, "global", 0.75),
-    ("local", {}, "personalized", 0.80),
+    ("fedprox", {"mu": 0.01}, "global", 0.05),
+    ("fedavgm", {}, "global", 0.05),
+    ("fedadam", {}, "global", 0.10),
+    ("fedyogi", {}, "global", 0.10),
+    ("fedadagrad", {"server_lr": 0.1}, "global", 0.05),  # Adagrad needs a larger server lr (Reddi et al.)
+    ("feddyn", {}, "global", 0.05),
+    ("scaffold", {}, "global", 0.05),
+    ("moon", {}, "global", 0.15),
+    ("local", {}, "personalized", None),
 ]
 
 pytestmark = pytest.mark.slow  # end-to-end learning
 
 
-@pytest.mark.parametrize(("name", "hyper", "protocol", "floor"), BASELINES, ids=[b[0] for b in BASELINES])
-def test_baseline_learns_on_digits(name, hyper, protocol, floor):
-    cfg = build_config(
-        digits_config(
-            rounds=8,
-            algorithm={"name": name, **hyper},
-            eval={"protocol": protocol, "every": 4},
-            checkpoint={"every": 0},
-        )
-    )
-    summary = run_experiment(cfg)
-    assert summary["final"]["accuracy"] >= floor, summary["final"]  # chance is 0.1
+def final_and_untrained(name: str, hyper: dict, protocol: str, **over) -> tuple[float, float]:
+    """(final accuracy after 8 rounds, accuracy of the same run's untrained model) on digits."""
+    p = run_paired(digits_run({"name": name, **hyper}, protocol=protocol, **over))
+    return p.final, p.untrained
+
+
+@pytest.fixture(scope="module")
+def fedavg() -> tuple[float, float]:
+    """FedAvg's run, shared with the other modules that compare with it (tests/paired.py)."""
+    p = baseline(digits_run({"name": "fedavg"}), {"name": "fedavg"})
+    return p.final, p.untrained
+
+
+def test_fedavg_learns_on_digits(fedavg):
+    final, untrained = fedavg
+    assert final - untrained >= GAIN, fedavg
+
+
+@pytest.mark.parametrize(("name", "hyper", "protocol", "below"), BASELINES, ids=[b[0] for b in BASELINES])
+def test_baseline_learns_on_digits_and_keeps_up_with_fedavg(name, hyper, protocol, below, fedavg):
+    final, untrained = final_and_untrained(name, hyper, protocol)
+    assert final - untrained >= GAIN, (final, untrained)
+    if below is not None:
+        assert final >= fedavg[0] - below, (final, fedavg)
+
+
+def test_a_run_that_does_not_learn_fails_the_paired_check():
+    """The check is not vacuous: FedAvg with a learning rate too small to move the weights gains nothing
+    over its own untrained model (the same seed, so the same starting point)."""
+    still = {"client": {"epochs": 1, "lr": 1e-7}, "rounds": 2, "eval": {"protocol": "global", "every": 2}}
+    final, untrained = final_and_untrained("fedavg", {}, "global", **still)
+    assert final - untrained < 0.05, (final, untrained)
 
 
 @requires_data

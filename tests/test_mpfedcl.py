@@ -22,8 +22,9 @@ from fedskew.data.datasets import digits
 from fedskew.data.federated import build_federated
 from fedskew.engine.client import prepare_client, run_phases, train_client
 from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import build_data, build_simulation, run_experiment
+from fedskew.experiment.runner import build_data, build_simulation
 from tests.conftest import TinyLinearModel, digits_config, tiny_context
+from tests.paired import GAIN, assert_paired, baseline_accuracy, run_paired
 
 
 def slice_loss_by_hand(z, y, pool, tau):
@@ -244,12 +245,15 @@ def test_train_limit_partitions_only_the_first_samples():
     assert idx.numel() == 300 and int(idx.max()) < 300
 
 
-@pytest.mark.parametrize(("alg", "floor"), [("mpfedcl", 0.9), ("spfedcl", 0.9), ("dpfedcl", 0.85)])
-def test_variants_learn_on_digits(tmp_path, alg, floor):
-    summary = run_experiment(build_config(mp_config(alg, rounds=6)), tmp_path / alg)
-    final = summary["final"]
-    assert final["accuracy"] >= floor  # nearest prototype in the pool (Eq. 13)
-    assert "accuracy_logits" in final
+@pytest.mark.parametrize("alg", ["mpfedcl", "spfedcl", "dpfedcl"])
+def test_variants_learn_on_digits_and_keep_up_with_local(tmp_path, alg):
+    """By the nearest prototype in the pool (Eq. 13), paired with the untrained model (0.095) and Local
+    (every client alone, 0.907) on the same seed and Dir(0.1) partition, at most 0.03 under it. Measured at
+    seed 0: MP-FedCL 0.936, SP-FedCL 0.952, DP-FedCL 0.928 (FedAvg: 0.594)."""
+    raw = mp_config(alg, rounds=6)
+    paired = run_paired(raw, tmp_path / alg)
+    assert_paired(paired, baseline_accuracy(raw, {"name": "local"}), below=0.03)
+    assert "accuracy_logits" in paired.summary["final"]
 
 
 def test_mpfedcl_learns_on_offline_digit_domains(tmp_path):
@@ -270,12 +274,15 @@ def test_mpfedcl_learns_on_offline_digit_domains(tmp_path):
         client={"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5},
         eval={"protocol": "personalized", "every": 1},
     )
-    run_experiment(build_config(cfg), tmp_path / "dd")
+    paired = run_paired(cfg, tmp_path / "dd")
     lines = (tmp_path / "dd" / "metrics.jsonl").read_text().splitlines()
     final = json.loads(lines[-1])
-    # chance is 0.1. The usps_like client learns; the synth_digits renders (coloured, rotated, blurred)
-    # are hard for an MLP from 300 images in 8 rounds, which is why the paper uses a pre-trained encoder.
-    assert final["accuracy"] >= 0.4 and final["accuracy_clients"][0] >= 0.8
+    # Paired with the untrained model (0.10 on both clients). The usps_like client learns; the synth_digits
+    # renders (coloured, rotated, blurred) are hard for an MLP from 300 images in 8 rounds, which is why the
+    # paper uses a pre-trained encoder. Measured at seed 0: 0.515 overall (a gain of 0.415), clients
+    # [0.91, 0.12]
+    assert_paired(paired, gain=0.2)
+    assert final["accuracy_clients"][0] - paired.before["accuracy_clients"][0] >= GAIN, (final, paired.before)
 
 
 def frozen_config(weights: str, root: str | None = None) -> dict:
@@ -304,6 +311,7 @@ def test_frozen_encoder_mode_trains_and_sends_only_the_head(tmp_path):
     assert data.dataset.x_train.shape[1:] == (512,)  # features computed once, before training
     head = sim.executor.runtime.models.model_for(0)
     assert sum(p.numel() for p in head.parameters()) == 133_898  # Table II: the MLP head only
+    before = sim.evaluate()  # the untrained head (the evaluation leaves the states as they are)
     sim.run_round()
     upload = sum(v.numel() for k, v in sim.server["weights"].items())
     assert upload == 133_898
@@ -312,8 +320,10 @@ def test_frozen_encoder_mode_trains_and_sends_only_the_head(tmp_path):
         want = encoder.eval().features(raw.to_float(raw.x_train[:5]))
     assert torch.allclose(data.dataset.x_train[:5], want, atol=1e-5)  # the eval-mode encoder's output
     record = sim.evaluate()
-    # one round on random-encoder features already beats chance (0.1): ~0.41 at seed 0
-    assert record["accuracy"] > 0.2 and record["accuracy_logits"] > 0.2
+    # one round on random-encoder features already gains over the untrained head: at seed 0, 0.095 -> 0.412
+    # by the nearest prototype and 0.020 -> 0.447 by the logits
+    assert record["accuracy"] >= before["accuracy"] + 0.15, (record, before)
+    assert record["accuracy_logits"] >= before["accuracy_logits"] + 0.15, (record, before)
 
 
 def test_frozen_encoder_errors_are_one_line(tmp_path):

@@ -41,8 +41,9 @@ from fedskew.engine.client import epoch_batches, prepare_client, run_phases
 from fedskew.engine.sgd import SGD
 from fedskew.engine.types import tree_to
 from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import build_simulation, run_experiment
+from fedskew.experiment.runner import build_simulation
 from tests.conftest import TinyLinearModel, digits_config, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 
 def tiny_state(body=None, w=None, b=None) -> dict[str, torch.Tensor]:
@@ -231,8 +232,8 @@ def test_fedfomo_server_keeps_models_and_affinity():
     up = Payload(arrays=model_arrays(tiny_state(b=[1.0, 2.0, 3.0])))
     up.arrays.update({IDS: torch.tensor([1]), WEIGHTS: torch.tensor([-0.5])})
     new = alg.aggregate(server, [Upload(0, 3, up)], RoundInfo(1, None, 0)).state
-    assert new["has"].tolist() == [True, False] and new["P"][0, 1] == -0.5  # P += w (raw)
-    assert new["models"]["classifier.bias"][0].tolist() == [1.0, 2.0, 3.0] and server["P"][0, 1] == 0
+    assert list(new["models"]) == [0] and new["P"][0]["P"].tolist() == [0.0, -0.5]  # P += w (raw)
+    assert new["models"][0]["classifier.bias"].tolist() == [1.0, 2.0, 3.0] and len(server["P"]) == 0
     sent = alg.broadcast(new, RoundInfo(2, 1, 0))
     assert sent.arrays[IDS].tolist() == [0] and sent.prefixed("cand0.")["classifier.bias"].tolist() == [
         1,
@@ -242,7 +243,7 @@ def test_fedfomo_server_keeps_models_and_affinity():
     normalized = FedFomo(FedFomo.Params(affinity="normalized"), ctx)
     up.arrays.update({IDS: torch.tensor([0, 1]), WEIGHTS: torch.tensor([1.0, -3.0])})
     after = normalized.aggregate(server, [Upload(1, 3, up)], RoundInfo(1, None, 0)).state
-    torch.testing.assert_close(after["P"][1], torch.tensor([0.5, -1.5], dtype=torch.float64))  # w / |Σw|
+    torch.testing.assert_close(after["P"][1]["P"], torch.tensor([0.5, -1.5], dtype=torch.float64))  # w / |Σw|
 
 
 # ================================================================ FedRoD
@@ -301,12 +302,9 @@ def test_fedrod_sends_body_and_generic_head_and_predicts_with_both_heads():
 # ================================================================ end to end
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedfomo", "fedala", "fedrod"])
-def test_personalized_methods_learn_on_digits(name):
-    cfg = digits_config(
-        rounds=6,
-        algorithm={"name": name},
-        eval={"protocol": "personalized", "every": 3},
-        checkpoint={"every": 0},
-    )
-    summary = run_experiment(build_config(cfg))
-    assert summary["final"]["accuracy"] >= 0.7, summary["final"]  # chance is 0.1
+def test_personalized_methods_learn_on_digits_and_keep_up_with_local(name):
+    """Paired with the run's untrained model (0.118) and with Local (every client alone, 0.863) on the same
+    seed and partition, at most 0.05 under it: a method that fell back to the global model (FedAvg here:
+    0.766) fails. Measured at seed 0: FedFomo 0.863, FedALA 0.890, FedRoD 0.880."""
+    raw = digits_run({"name": name}, rounds=6, protocol="personalized")
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below=0.05)

@@ -36,11 +36,9 @@ from fedskew.algorithms.base import (
 from fedskew.algorithms.ditto import PERSONAL, is_personal
 from fedskew.algorithms.perfedavg import batch_parts, meta_gradient
 from fedskew.algorithms.pfedme import THETA, inner_solve
-from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import run_experiment
 from fedskew.models.base import FedModel
 from fedskew.settings import ClientSection
-from tests.conftest import digits_config
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 X = torch.tensor([[1.0, 2.0], [0.0, 1.0]])
 Y = torch.tensor([0, 2])
@@ -310,10 +308,14 @@ def test_perfedavg_hf_surrogate_gradient_is_the_second_order_maml_gradient():
         assert torch.allclose(a, b - 0.2 * h, atol=1e-6)
 
 
-def test_perfedavg_personal_model_is_one_alpha_step_from_the_received_model():
-    """d_i = −α ∇f(w_k; D) at the received w_k = 0 over the client's two samples (labels 0 and 2):
-    ∇_bias = [1/3, 1/3, 1/3] − [1/2, 0, 1/2]; evaluated as w + d_i for the current global w."""
-    alg = make("perfedavg", alpha=0.3)
+def test_perfedavg_stale_personal_model_is_one_alpha_step_from_the_received_model():
+    """``eval_adapt: stale`` (the former procedure; the default adapts at evaluation,
+    tests/test_eval_adaptation.py): d_i = −α ∇f(w_k; D) at the received w_k = 0 over the client's two samples
+    (labels 0 and 2): ∇_bias = [1/3, 1/3, 1/3] − [1/2, 0, 1/2]; evaluated as w + d_i for the current w."""
+    fresh = make("perfedavg", alpha=0.3)
+    step = step_of(fresh, Tiny(), payload_of(weights([0.0] * 3)), {})
+    assert "adapt" not in fresh.finish_local(step, LocalResult(steps=1, loss=0.0, lr=0.1)).state
+    alg = make("perfedavg", alpha=0.3, eval_adapt="stale")
     model = Tiny()
     received = payload_of(weights([0.0] * 3))
     step = step_of(alg, model, received, {})
@@ -340,21 +342,17 @@ def test_perfedavg_server_averages_uniformly_by_default(mean, expected):
 # -------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "hyper", "floor"),
+    ("name", "hyper", "below"),
     [
-        ("ditto", {}, 0.8),
-        ("pfedme", {}, 0.55),
-        ("perfedavg", {}, 0.75),
-        ("perfedavg", {"variant": "fo"}, 0.75),
+        ("ditto", {}, 0.05),
+        ("pfedme", {}, 0.25),  # still well behind after 8 rounds at these settings (measured 0.17 under)
+        ("perfedavg", {}, 0.1),
+        ("perfedavg", {"variant": "fo"}, 0.1),
     ],
 )
-def test_personalized_accuracy_beats_chance_on_digits(name, hyper, floor):
-    cfg = build_config(
-        digits_config(
-            rounds=8,
-            algorithm={"name": name, **hyper},
-            eval={"protocol": "personalized", "every": 4},
-            checkpoint={"every": 0},
-        )
-    )
-    assert run_experiment(cfg)["final"]["accuracy"] >= floor  # chance is 0.1
+def test_personalized_methods_learn_on_digits_and_keep_up_with_local(name, hyper, below):
+    """Paired with the run's untrained model (0.118) and with Local (every client alone, 0.886) on the same
+    seed and partition, at most ``below`` under it. Measured at seed 0: Ditto 0.909, pFedMe 0.713,
+    Per-FedAvg 0.847 (HF) and 0.865 (FO)."""
+    raw = digits_run({"name": name, **hyper}, rounds=8, protocol="personalized")
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below)

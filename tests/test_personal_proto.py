@@ -43,6 +43,7 @@ from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.settings import ClientSection
 from tests.conftest import TinyLinearModel, digits_config, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 HEAD_KEYS = ("classifier.weight", "classifier.bias")
 
@@ -153,7 +154,7 @@ def fedpac_payload(alg: Algorithm, classes: list[int], protos: list[list[float]]
     """Body = identity, head = zeros (logits 0: CE = log 3), the given global prototypes."""
     server = alg.init_server(TinyLinearModel())
     server["weights"] = {"body.weight": torch.eye(2)}
-    server["heads"] = {k: torch.zeros_like(v) for k, v in server["heads"].items()}
+    server["head0"] = {k: torch.zeros_like(v) for k, v in server["head0"].items()}  # client 0 has no row
     if classes:
         server["protos"][classes] = torch.tensor(protos)
         server["present"][classes] = True
@@ -253,7 +254,8 @@ def test_fedpac_aggregate_by_hand():
     assert math.isclose(out.metrics["alpha_self"], (5 / 7 + 6 / 7) / 2, rel_tol=1e-6)
     # without collaboration each client keeps its trained head
     alone = make("fedpac", tiny_context(), combine=False).aggregate(server, [u0, u1], RoundInfo(1, None, 0))
-    assert torch.allclose(alone.state["heads"]["classifier.weight"][0], torch.full((3, 2), 7.0))
+    assert torch.allclose(alone.state["heads"][0]["classifier.weight"], torch.full((3, 2), 7.0))
+    assert list(alone.state["heads"]) == [0, 1] and len(server["heads"]) == 0  # the handed table unchanged
 
 
 def test_fedpac_has_no_global_model():
@@ -347,18 +349,19 @@ def test_fesem_local_evaluation_keeps_the_trained_model():
 
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "hyper"), [("fedpac", {}), ("fesem", {"clusters": 2})])
-def test_learns_on_digits(name, hyper):
-    cfg = build_config(
-        digits_config(
-            rounds=6,
-            algorithm={"name": name, **hyper},
-            eval={"protocol": "personalized", "every": 3},
-            checkpoint={"every": 0},
-        )
-    )
-    summary = run_experiment(cfg)
-    assert summary["final"]["accuracy"] >= 0.7, summary["final"]  # chance is 0.1
+@pytest.mark.parametrize(
+    ("name", "hyper", "baseline", "below"),
+    [
+        ("fedpac", {}, "local", 0.05),
+        # two cluster models, not one per client: matched against FedAvg's one model, not Local
+        ("fesem", {"clusters": 2}, "fedavg", 0.03),
+    ],
+)
+def test_learns_on_digits_and_keeps_up_with_its_baseline(name, hyper, baseline, below):
+    """Paired with the run's untrained model (0.118) and a baseline on the same seed and partition, at most
+    ``below`` under it. Measured at seed 0: FedPAC 0.879 (Local 0.863), FeSEM 0.778 (FedAvg 0.766)."""
+    raw = digits_run({"name": name, **hyper}, rounds=6, protocol="personalized")
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": baseline}), below)
 
 
 @pytest.mark.slow

@@ -35,12 +35,11 @@ from fedskew.algorithms.batching import epoch_batches
 from fedskew.algorithms.finetune import FINETUNE_KEY, FineTune, finetune
 from fedskew.algorithms.lgfedavg import top_layer_names
 from fedskew.errors import ConfigError
-from fedskew.experiment.config import build_config
-from fedskew.experiment.runner import run_experiment
 from fedskew.models import MODELS
 from fedskew.models.base import FedModel
 from fedskew.settings import ClientSection
-from tests.conftest import TinyLinearModel, digits_config, tiny_context
+from tests.conftest import TinyLinearModel, tiny_context
+from tests.paired import assert_paired, baseline_accuracy, digits_run, run_paired
 
 LN3 = math.log(3.0)
 
@@ -251,9 +250,9 @@ def test_finetune_respects_trainable_and_the_engines_batching():
     assert epoch_batches(0, 2, torch.Generator(), torch.device("cpu")) == []
 
 
-def test_fedavg_ft_uploads_the_trained_model_and_keeps_the_fine_tuned_global_one():
+def test_fedavg_ft_stale_uploads_the_trained_model_and_keeps_the_fine_tuned_global_one():
     ctx = seeded_tiny_context()
-    alg = make("fedavg_ft", ctx, finetune_epochs=2, finetune_lr=0.3)
+    alg = make("fedavg_ft", ctx, finetune_epochs=2, finetune_lr=0.3, eval_finetune="stale")
     model = ctx.build_model(0)
     received = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
     payload = Payload(arrays=model_arrays(received))
@@ -304,9 +303,9 @@ def test_fedbabu_trains_and_averages_the_body_under_the_fixed_initial_head():
 
 
 @pytest.mark.parametrize(("part", "start"), [("full", "global"), ("head", "global"), ("full", "local")])
-def test_fedbabu_fine_tunes_a_copy_and_uploads_the_body_only(part, start):
+def test_fedbabu_stale_fine_tunes_a_copy_and_uploads_the_body_only(part, start):
     ctx = seeded_tiny_context()
-    alg = make("fedbabu", ctx, finetune=part, finetune_from=start, finetune_epochs=3)
+    alg = make("fedbabu", ctx, finetune=part, finetune_from=start, finetune_epochs=3, eval_finetune="stale")
     server = alg.init_server(ctx.build_model(None))
     payload = alg.broadcast(server, RoundInfo(1, 0, 0))
     model = TinyLinearModel()
@@ -321,7 +320,7 @@ def test_fedbabu_fine_tunes_a_copy_and_uploads_the_body_only(part, start):
     origin = alg.model_weights(payload, None) if start == "global" else trained
     heads = (lambda n: n.startswith("classifier.")) if part == "head" else None
     gen = RoundInfo(1, 0, 0).generator(FINETUNE_KEY)
-    expected = finetune(model, origin, client, FineTune(3, 0.2, 4, trainable=heads), gen)
+    expected = finetune(model, origin, client, FineTune(3, 0.1, 4, trainable=heads), gen)  # round 1's lr
     assert all(torch.equal(out.state["personal"][k], expected[k]) for k in expected)
     if part == "head":
         assert torch.equal(out.state["personal"]["body.weight"], origin["body.weight"])
@@ -400,24 +399,25 @@ def test_lgfedavg_averages_the_global_layers_and_keeps_each_representation():
 
 
 # ==================================================================== end to end
+#: (method, hyper-parameters, how far under Local's final accuracy on the same seed and partition it may end)
 E2E = [
-    ("apfl", {}),
-    ("lgfedavg", {}),
-    ("fedbabu", {"finetune_epochs": 2}),
-    ("fedavg_ft", {"finetune_epochs": 2}),
+    ("apfl", {}, 0.08),
+    ("lgfedavg", {}, 0.05),
+    ("fedbabu", {"finetune_epochs": 2}, 0.05),
+    ("fedavg_ft", {"finetune_epochs": 2}, 0.05),
 ]
 
 
-@pytest.mark.parametrize(("name", "hyper"), E2E, ids=[n for n, _ in E2E])
-def test_personalized_accuracy_on_digits_beats_chance_clearly(name, hyper):
-    cfg = build_config(
-        digits_config(
-            rounds=15,
-            algorithm={"name": name, **hyper},
-            model={"name": "mlp_mpfedcl", "hidden": 64, "embed_dim": 32},
-            eval={"protocol": "personalized", "every": 15},
-            checkpoint={"every": 0},
-        )
+@pytest.mark.parametrize(("name", "hyper", "below"), E2E, ids=[n for n, _, _ in E2E])
+def test_personalized_methods_learn_on_digits_and_keep_up_with_local(name, hyper, below):
+    """Paired with the run's untrained model (0.105; FedBABU and FedAvg-FT fine-tune it at evaluation:
+    0.301) and with Local (every client alone, 0.883) on the same seed and partition. Measured at seed 0:
+    APFL 0.855, LG-FedAvg 0.889, FedBABU 0.880, FedAvg-FT 0.913 (FedAvg: 0.855)."""
+    raw = digits_run(
+        {"name": name, **hyper},
+        rounds=15,
+        protocol="personalized",
+        model={"name": "mlp_mpfedcl", "hidden": 64, "embed_dim": 32},
+        eval={"protocol": "personalized", "every": 15},
     )
-    summary = run_experiment(cfg)
-    assert summary["final"]["accuracy"] >= 0.75, summary["final"]  # chance is 0.1; FedAvg reaches 0.85
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below)

@@ -19,8 +19,8 @@ from fedskew.errors import ConfigError
 from fedskew.experiment import build
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_simulation, run_experiment
-from tests.test_contract import fingerprint, tiny_config
-from tests.test_contract_rules import checked
+from fedskew.testing import checked, fingerprint
+from tests.test_contract import tiny_config
 
 #: settings every suite below runs (robust rules under a model-poisoning attack, DP, data poisoning)
 SETTINGS: dict[str, dict[str, Any]] = {

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-import fedskew.cli
 from fedskew.experiment.config import results_config
+from fedskew.runtimes import engine_processes
 from fedskew.settings import EngineSection
 from fedskew.threads import (
     apply_policy,
@@ -24,13 +24,13 @@ from fedskew.threads import (
     busy_between,
     cgroup_cpu_limit,
     cpu_times,
-    engine_processes,
     resolve_threads,
     run_processes,
     thread_info,
     threads_in_use,
     usable_cores,
 )
+from tests.conftest import cli
 from tests.test_contract import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +43,6 @@ def _keep_threads(monkeypatch):
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-
-
-def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """``fedskew ARGV`` in this process through ``fedskew.cli.main`` (its exit-code mapping included)."""
-    monkeypatch.setattr(sys, "argv", ["fedskew", *argv])
-    try:
-        fedskew.cli.main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def write_config(path: Path, rounds: int = 1) -> Path:

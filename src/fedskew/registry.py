@@ -17,24 +17,74 @@ from fedskew.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 
+#: one entry per plugin being loaded now (innermost last): its label and what it registered, as
+#: ``(registry, name, object)`` (fedskew.plugins records them to make a second load of a plugin a no-op)
+_LOADING: list[tuple[str, list[tuple[Registry[Any], str, Any]]]] = []
+
+
+@contextlib.contextmanager
+def loading(source: str) -> Iterator[list[tuple[Registry[Any], str, Any]]]:
+    """Inside the block, registrations are attributed to ``source`` (a plugin's one-line label, named in a
+    collision error) and collected in the yielded list."""
+    added: list[tuple[Registry[Any], str, Any]] = []
+    _LOADING.append((source, added))
+    try:
+        yield added
+    finally:
+        _LOADING.pop()
+
+
+def _source_of(obj: object) -> str:
+    """Where a registration comes from: the plugin being loaded, else the object's module."""
+    if _LOADING:
+        return _LOADING[-1][0]
+    module = str(getattr(obj, "__module__", "?"))
+    return "fedskew (built-in)" if module.split(".")[0] == "fedskew" else f"module '{module}'"
+
 
 class Registry(Generic[T]):
-    """A named collection of factories (classes or functions) with one-line docs."""
+    """A named collection of factories (classes or functions) with one-line docs and, per name, where it
+    was registered from (a built-in, a plugin: fedskew.plugins)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._sources: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``@REGISTRY.register("name")``."""
+        """Decorator: ``@REGISTRY.register("name")``. A name taken already (by a built-in, another plugin)
+        is refused with one :class:`ConfigError` naming both sources: a plugin never shadows a built-in."""
 
         def deco(obj: T) -> T:
-            if name in self._items:
-                raise ValueError(f"{self.kind} '{name}' registered twice")
-            self._items[name] = obj
+            self.add(name, obj, _source_of(obj))
+            if _LOADING:
+                _LOADING[-1][1].append((self, name, obj))
             return obj
 
         return deco
+
+    def add(self, name: str, obj: T, source: str) -> None:
+        """Register ``obj`` under ``name``, attributed to ``source``; re-adding the very same object under
+        its name is a no-op (a plugin loaded again)."""
+        if name in self._items:
+            if self._items[name] is obj:
+                return
+            raise ConfigError(
+                f"{self.kind} '{name}' from {source} collides with the {self.kind} '{name}' from "
+                f"{self.source(name)}; rename one of them (registry names are unique)"
+            )
+        self._items[name] = obj
+        self._sources[name] = source
+
+    def discard(self, name: str, obj: T) -> None:
+        """Remove ``name`` if ``obj`` is what it names (a plugin that failed half-way is undone)."""
+        if self._items.get(name) is obj:
+            del self._items[name]
+            self._sources.pop(name, None)
+
+    def source(self, name: str) -> str:
+        """Where ``name`` was registered from (``fedskew (built-in)``, a plugin's label, a module)."""
+        return self._sources.get(name, "fedskew (built-in)")
 
     def get(self, name: str) -> T:
         try:
@@ -61,12 +111,14 @@ class Registry(Generic[T]):
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Whatever is registered inside the ``with`` block is forgotten on exit (tests running examples)."""
-        before = dict(self._items)
+        before, sources = dict(self._items), dict(self._sources)
         try:
             yield
         finally:
             self._items.clear()
             self._items.update(before)
+            self._sources.clear()
+            self._sources.update(sources)
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
@@ -78,8 +130,10 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def summary(self, name: str) -> str:
-        """First line of the docstring of the registered object."""
-        doc = inspect.getdoc(self._items[name]) or ""
+        """First line of the registered object's ``doc`` string (a declared entry: runtimes) or docstring."""
+        obj = self._items[name]
+        declared = getattr(obj, "doc", None)
+        doc = declared if isinstance(declared, str) else inspect.getdoc(obj) or ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
 
     def items(self) -> list[tuple[str, str]]:

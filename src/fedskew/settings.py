@@ -196,11 +196,12 @@ class EngineSection(Strict):
         description="tensor layout of 2-d convolutional models: channels_last (NHWC, faster on CPU), "
         "contiguous (NCHW), or auto (channels_last on CPU unless engine.mode=vectorized)",
     )
-    runtime: Literal["embedded", "flower-simulation", "flower-deployment"] = Field(
+    runtime: str = Field(
         "embedded",
-        description="where the federation runs: embedded (this process), flower-simulation (Flower's "
-        "simulation runtime) or flower-deployment (a local Flower SuperLink and engine.nodes SuperNodes on "
-        "loopback; see docs/deployment.md); needs the [flower] extra",
+        description="where the federation runs, a registered runtime (fedskew.runtimes): embedded (this "
+        "process), flower-simulation (Flower's simulation runtime) or flower-deployment (a local Flower "
+        "SuperLink and engine.nodes SuperNodes on loopback; see docs/deployment.md; the Flower ones need the "
+        "[flower] extra), or a plugin's",
     )
     nodes: int = Field(
         3,
@@ -265,12 +266,11 @@ class EngineSection(Strict):
 
 
 # ---------------------------------------------------------------------------- security (docs/security.md)
-DATA_ATTACKS = ("label_flip", "backdoor")
-UPDATE_ATTACKS = ("sign_flip", "gaussian", "scaling", "alie")
-AttackName = Literal["none", "label_flip", "backdoor", "sign_flip", "gaussian", "scaling", "alie"]
-DefenceName = Literal[
-    "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geomed", "norm_bound"
-]
+#: names are checked against ``fedskew.algorithms.security.ATTACKS`` / ``DEFENCES`` when the run is built
+#: (registries, so a plugin may add one): "none", "label_flip", "backdoor", "sign_flip", "gaussian",
+#: "scaling", "alie"; "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geomed", "norm_bound"
+AttackName = str
+DefenceName = str
 
 
 class _Section(BaseModel):

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.errors import ConfigError
-from fedskew.settings import EngineSection
 
 #: ``engine.threads`` / ``--threads`` value meaning "decide from the machine"
 AUTO = 0
@@ -166,14 +165,6 @@ def thread_info() -> dict[str, Any]:
         "threads_source": _applied.get("source", "default"),
         "usable_cores": usable_cores(),
     }
-
-
-def engine_processes(engine: EngineSection) -> int:
-    """Processes a run of ``engine`` starts on this machine: the main one and its workers (embedded), or
-    the main one and ``engine.nodes`` SuperNodes (Flower runtimes)."""
-    if engine.runtime == "embedded":
-        return run_processes(engine.workers)
-    return 1 + engine.nodes
 
 
 def apply_policy(requested: int, processes: int) -> int:

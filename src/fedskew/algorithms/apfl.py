@@ -36,7 +36,6 @@ the sum of the two cross-entropies.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
@@ -55,14 +54,14 @@ from fedskew.algorithms.base import (
     LocalOutput,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
-    RoundInfo,
     ServerUpdate,
     State,
-    Upload,
     clone_state,
     model_arrays,
 )
+from fedskew.algorithms.helpers import personal_module
 from fedskew.errors import ConfigError
 
 #: the submodule holding the client's local model v (its state entries are prefixed ``apfl_local.``)
@@ -79,7 +78,6 @@ def is_global(name: str) -> bool:
 class APFL(Algorithm):
     """APFL (Deng et al. 2020): a local model mixed with the global one by a learned weight α."""
 
-    mean_aggregation = True
     personalized_eval: ClassVar[bool] = True
     #: the loss takes α's gradient by autograd and updates α in place: not a vmap-able pure function
     vectorizable = False
@@ -129,18 +127,16 @@ class APFL(Algorithm):
         """Every model gets the local copy v (submodule ``apfl_local``, unused by ``forward``)."""
         if isinstance(model, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             raise ConfigError("apfl: the model's forward would run the added local copy; use a FedModel")
-        if not isinstance(getattr(model, LOCAL, None), nn.Module):
-            model.add_module(LOCAL, copy.deepcopy(model))
-        return model
+        return personal_module(model, LOCAL)
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
         return {"weights": {k: v for k, v in clone_state(model.state_dict()).items() if is_global(k)}}
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
         """FedAvg of w; the mean α the clients reported, as a diagnostic."""
-        update = super().aggregate(server, uploads, info)
-        alphas = [u.payload.metrics["alpha"] for u in uploads if "alpha" in u.payload.metrics]
+        update = super().server_step(server, mean, info)
+        alphas = [u.payload.metrics["alpha"] for u in info.uploads if "alpha" in u.payload.metrics]
         metrics = {"apfl_alpha": sum(alphas) / len(alphas)} if alphas else {}
         return ServerUpdate(update.state, metrics)
 

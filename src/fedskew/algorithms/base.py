@@ -1,14 +1,18 @@
-"""The algorithm contract (v3): what a federated method supplies, and what it may touch.
+"""The algorithm contract (v4): what a federated method supplies, and what it may touch.
 
 An algorithm is one small module. It declares typed hyper-parameters (defaults from its paper), what the
 server sends (:meth:`Algorithm.broadcast`), the client's local loss on one batch
 (:meth:`Algorithm.local_loss`), what the client uploads after training (:meth:`Algorithm.finish_local`)
-and how the server aggregates (:meth:`Algorithm.aggregate`). A runtime (the embedded engine, Flower) owns
-the round loop, the optimizer and the model instances; an algorithm never writes either.
+and how the server aggregates: a weighted mean that the engine computes (:meth:`Algorithm.mean_weights`)
+followed by :meth:`Algorithm.server_step`, or :meth:`Algorithm.aggregate` for a method that is not a mean.
+A runtime (the embedded engine, Flower) owns the round loop, the optimizer and the model instances; an
+algorithm never writes either.
 
 The hooks, by side (docs/design.md has the table):
 
-* server: ``init_server(model)``, ``broadcast(server, info)``, ``aggregate(server, uploads, info)`` →
+* server: ``init_server(model)``, ``broadcast(server, info)``, ``mean_weights(counts)`` and
+  ``server_step(server, mean, info)`` (a mean method: the engine computes the mean, folded as uploads
+  arrive, and robust rules / DP replace it) or ``aggregate(server, uploads, info)`` (any other method) →
   :class:`ServerUpdate` (new state + the round's diagnostics);
 * client: ``init_client(cid)``, ``model_weights(payload, state)``, and four hooks over one
   :class:`LocalStep` value (model, payload, state, client data, round, per-round ``derived`` channel,
@@ -17,7 +21,8 @@ The hooks, by side (docs/design.md has the table):
   ``model_weights`` (no data access) before ``start_local``, and the plan's optional ``start_weights``
   (weights that depend on the client's data: FedALA, FedFomo) after it, before ``init_scratch``: local
   training starts from those;
-* evaluation: ``eval_weights(payload, state)``, ``predict(model, x, payload, state)``;
+* evaluation: ``eval_weights(payload, state)``, ``adapt_for_eval(step)`` (personalization on the client's
+  training data, personalized protocol), ``predict(model, x, payload, state)``;
 * construction: ``prepare_model(model)``.
 
 Rules every hook follows (checked for every registered algorithm by the contract tests):
@@ -27,20 +32,22 @@ Rules every hook follows (checked for every registered algorithm by the contract
   once every hook of it succeeded, so an interrupt or an error leaves the previous round's state intact.
 * **No state on self.** Everything an algorithm derives from the federation is computed from the
   :class:`Context` it is constructed with; a hook never changes the algorithm object, except the caches it
-  declares in :attr:`Algorithm.working_buffers` (values that are pure functions of the context).
+  declares in :attr:`Algorithm.working_buffers` (values that are pure functions of the context); the
+  engine refuses a round whose hooks added any other attribute.
 * **Round information is given.** Hooks receive a :class:`RoundInfo`; algorithms never count rounds nor send
   the round number over the network. Diagnostics travel in :attr:`ServerUpdate.metrics` and an upload's
   ``metrics``, per-round client values in :attr:`LocalPlan.derived`: neither is persisted.
 * **Messages.** See :mod:`fedskew.algorithms.messages`.
 
-State (server and client) is a plain ``dict`` of tensors and small Python values, so a runtime can keep
+State (server and client) is a plain ``dict`` of tensors and small Python values (per-client server state:
+a :class:`ServerTable`), so a runtime can keep
 client state compactly on CPU, spill it to disk, checkpoint it with ``torch.save(..., weights_only=True)``-
 loadable types and ship it over Flower. See docs/design.md for the round transaction and the executors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -57,6 +64,7 @@ from fedskew.algorithms.messages import (
     model_arrays,
     server_arrays,
 )
+from fedskew.algorithms.server_table import ServerTable
 from fedskew.algorithms.steps import (
     Batch,
     ClientView,
@@ -88,19 +96,23 @@ __all__ = [
     "LocalPlan",
     "LocalResult",
     "LocalStep",
+    "MeanInfo",
     "Payload",
     "Phase",
     "RoundInfo",
     "Scratch",
+    "ServerTable",
     "ServerUpdate",
     "State",
     "Upload",
     "clone_state",
     "embedding_dim",
+    "fedavg_mean",
     "flat_params",
     "load_state",
     "model_arrays",
     "param_names",
+    "receipt",
     "sample_weights",
     "server_arrays",
     "uniform_weights",
@@ -170,6 +182,27 @@ class Context:
         return {n: torch.zeros_like(p.detach()) for n, p in self.model_template(cid).named_parameters()}
 
 
+@dataclass(frozen=True)
+class MeanInfo:
+    """What :meth:`Algorithm.server_step` sees of a round besides the mean: the round, the accepted uploads
+    without their arrays (client id, sample count, ``config`` scalars, ``metrics``) and the mean's weights."""
+
+    round: RoundInfo
+    uploads: list[Upload]
+    weights: Tensor
+
+    @property
+    def count(self) -> int:
+        """Accepted uploads."""
+        return len(self.uploads)
+
+
+def receipt(upload: Upload) -> Upload:
+    """``upload`` without its arrays (sample count, config and metrics kept)."""
+    p = upload.payload
+    return Upload(upload.cid, upload.num_samples, Payload(config=p.config, metrics=p.metrics))
+
+
 class Algorithm:
     """Base class: defaults give FedAvg behaviour, so a method overrides only what it changes.
 
@@ -179,33 +212,35 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[HyperParams]] = HyperParams
-    #: the model used to evaluate a client depends on the client (personal models, local heads, ...)
+    # Flags: the defaults are FedAvg's, so a FedAvg-like method declares none. Each one has a runtime reader
+    # and is checked when the run is built (docs/design.md, "class attributes").
+    #: the model used to evaluate a client depends on the client (personal models, local heads, ...): the
+    #: evaluators score each client with its own state
     personalized_eval: ClassVar[bool] = False
     #: there is no global model (``local``): the config must ask for ``eval.protocol=personalized``
     requires_personalized_eval: ClassVar[bool] = False
-    #: the server state changes only through what clients upload; ``False``: ``aggregate`` may return the
-    #: server state unchanged (``local`` keeps nothing on the server)
-    server_learns: ClassVar[bool] = True
-    #: clients may have different architectures (``model.per_client`` changing parameter shapes): nothing
-    #: is averaged across clients' models
+    #: clients may have different architectures (``model.per_client`` changing parameter shapes); without it
+    #: a config whose clients' models differ in shape is refused when the run is built
     heterogeneous_models: ClassVar[bool] = False
-    #: ``aggregate`` is a (weighted) mean of the uploads' floating arrays, followed by server steps that see
-    #: the uploads only through that mean, their count and the scalars they report in ``config`` (sample
-    #: counts, FedNova's ‖a_i‖₁), which robust rules and DP leave as sent: robust rules, central DP and
-    #: model-poisoning attacks may then hand it changed uploads (``fedskew.algorithms.security``)
-    mean_aggregation: ClassVar[bool] = False
+    #: ``aggregate`` is this class's: a (weighted, :meth:`mean_weights`) mean of the uploads' arrays, then
+    #: :meth:`server_step` on it. The engine may compute the mean itself (folded as uploads arrive), and
+    #: robust rules, model-poisoning attacks and central DP replace it (``fedskew.algorithms.security``).
+    #: ``False``: the method overrides ``aggregate`` with something that is not a mean (prototypes, class
+    #: statistics)
+    mean_aggregation: ClassVar[bool] = True
     #: the method runs on frozen-backbone features and needs ``data.vision_language`` in the config
     vision_language: ClassVar[bool] = False
     #: ``local_loss`` is a pure function of (model, batch, payload, state, scratch) with no data-dependent
     #: Python branching, so ``engine.mode=vectorized`` may train the round's clients at once under vmap
-    vectorizable: ClassVar[bool] = False
+    vectorizable: ClassVar[bool] = True
     #: what ``local_loss`` reads of the step besides the model, ``scratch`` and ``info.round``: the vectorized
     #: engine stacks only these over clients, so payloads (or states) that differ in shape between clients do
     #: not stop it when the loss does not read them (FedProto: dense tensors from :meth:`init_scratch`
     #: instead). Under vmap the loss never sees ``step.client`` nor ``step.info.cid``.
-    loss_reads: ClassVar[frozenset[str]] = frozenset({"payload", "state", "derived"})
+    loss_reads: ClassVar[frozenset[str]] = frozenset()
     #: attributes a hook may fill on ``self``: caches that are pure functions of the context (MOON's frozen
-    #: reference networks per architecture). Any other attribute a hook changes breaks the contract.
+    #: reference networks per architecture), each an attribute ``__init__`` creates. Any other attribute a
+    #: hook changes breaks the contract.
     working_buffers: ClassVar[frozenset[str]] = frozenset()
     #: ``aggregate`` reads per-client scalars the uploads report in ``config`` (FedNova's ‖a_i‖₁): unbounded
     #: statistics of a client's data, which client-level DP cannot cover (refused under ``privacy``)
@@ -234,9 +269,25 @@ class Algorithm:
         return Payload(arrays=server_arrays(server["weights"]))
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        """FedAvg (McMahan et al. 2017): the new server state, the sample-weighted mean of the uploads."""
-        weights = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
-        return ServerUpdate({**server, "weights": weights})
+        """The new server state from the accepted uploads. As written here (``mean_aggregation``): the mean
+        of the uploads' arrays weighted by :meth:`mean_weights`, then :meth:`server_step` (FedAvg, McMahan
+        et al. 2017, Alg. 1). A method whose aggregation is not such a mean overrides it and declares
+        ``mean_aggregation = False``; one that is never overrides it (the engine may skip it)."""
+        weights = self.mean_weights([u.num_samples for u in uploads])
+        mean = Payload(arrays=weighted_average([u.payload.arrays for u in uploads], weights))
+        return self.server_step(server, mean, MeanInfo(info, [receipt(u) for u in uploads], weights))
+
+    def mean_weights(self, counts: Sequence[int]) -> Tensor:
+        """The weights of the mean from the accepted uploads' sample counts, in order: FedAvg's ``n_k / n``
+        (:func:`count_weights`). A pure function of the counts, which the engine knows before any client
+        trains, so it can fold the mean as uploads arrive (uniform: ``torch.full((k,), 1.0 / k)``)."""
+        return count_weights(counts)
+
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
+        """The new server state from ``mean`` (the weighted mean of the uploads' arrays, by their names, or
+        what a robust rule or DP put in its place) and ``info`` (the round, the accepted uploads without
+        their arrays, the weights). FedAvg: the mean is the new model."""
+        return ServerUpdate({**server, "weights": mean.model_state()})
 
     def released(self, record: dict[str, Any]) -> dict[str, Any]:
         """What of a round's metrics record the run writes (metrics files, trackers, Flower's records):
@@ -246,16 +297,6 @@ class Algorithm:
     def run_summary(self) -> dict[str, Any]:
         """Entries the method adds to ``summary.json`` (DP: the guarantee and its accounting)."""
         return {}
-
-    def aggregate_mean(
-        self, server: State, mean: dict[str, Tensor], uploads: list[Upload], info: RoundInfo
-    ) -> ServerUpdate:
-        """:meth:`aggregate` given ``mean``, the sample-weighted mean of the uploads' model states that the
-        engine folded as they arrived, bit for bit :func:`weighted_average` (``uploads`` then carry their
-        sample counts, config and metrics, not their arrays). The engine calls it only for a class that
-        keeps both this and :meth:`aggregate` as written here (:func:`fedskew.engine.folding.folds_uploads`):
-        FedAvg's server step, Alg. 1."""
-        return ServerUpdate({**server, "weights": mean})
 
     # ---------------------------------------------------------------- client side
     def init_client(self, cid: int) -> State:
@@ -296,6 +337,19 @@ class Algorithm:
         :meth:`model_weights`, which then sees ``state=None``)."""
         return self.model_weights(payload, state)  # type: ignore[arg-type]
 
+    def adapt_for_eval(self, step: LocalStep) -> Mapping[str, Tensor] | None:
+        """Personalization at evaluation time: the weights client ``step.cid`` is scored with, adapted on its
+        own training data ``step.client`` from the model being evaluated (``step.model`` holds
+        :meth:`eval_weights`: read it, do not change it). A subset of the model state's keys, loaded over
+        it; ``None`` (the default): score :meth:`eval_weights` as is. Every runtime's personalized evaluation
+        runs it (``eval.protocol=personalized`` of a ``personalized_eval`` method; the global protocol scores
+        the global model unadapted), once per client and evaluation, on the node that holds the client's
+        data, with gradients enabled, ``step.info`` the evaluated round and the client (randomness from
+        ``step.info.generator``; the global RNG is seeded from the same triple), ``step.state`` the client's
+        committed state, ``step.derived`` and ``step.scratch`` empty. Nothing it returns is kept: evaluation
+        commits nothing (FedAvg-FT and FedBABU fine-tune here, Per-FedAvg takes its α-step)."""
+        return None
+
     def predict(
         self, model: nn.Module, x: Tensor, payload: Payload, state: State | None
     ) -> dict[str, Tensor]:
@@ -310,6 +364,12 @@ def sample_weights(uploads: list[Upload]) -> Tensor:
     return count_weights([u.num_samples for u in uploads])
 
 
+def fedavg_mean(uploads: list[Upload]) -> dict[str, Tensor]:
+    """FedAvg's sample-weighted mean of the uploads' model states: the FedAvg part of a method whose
+    aggregation is not a mean of its whole uploads (FedEnt, FedRCL, MPFedCL: prototypes, scalars)."""
+    return weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
+
+
 def count_weights(counts: Sequence[int]) -> Tensor:
     """:func:`sample_weights` of uploads with these sample counts (float64): ``n_k / n``, or ``1 / K`` when
     every count is 0. The engine plans a round's FedAvg weights with it before the uploads exist
@@ -319,10 +379,11 @@ def count_weights(counts: Sequence[int]) -> Tensor:
     return n / total if total > 0 else torch.full_like(n, 1.0 / len(n))
 
 
-def uniform_weights(uploads: list[Upload]) -> Tensor:
-    """Equal aggregation weights ``1/|S|`` (the plain mean over the sampled set: SCAFFOLD, FedDyn, pFedMe,
-    Per-FedAvg)."""
-    n = len(uploads)
+def uniform_weights(items: Sized) -> Tensor:
+    """Equal aggregation weights ``1/|S|`` over uploads (or their sample counts:
+    :meth:`Algorithm.mean_weights`), the plain mean over the sampled set: SCAFFOLD, FedDyn, pFedMe,
+    Per-FedAvg."""
+    n = len(items)
     return torch.full((n,), 1.0 / n)
 
 

@@ -125,7 +125,6 @@ class CacheFL(VisionLanguageMethod):
 
     p: Params
     vectorizable: ClassVar[bool] = True
-    loss_reads: ClassVar[frozenset[str]] = frozenset()  # plain cross-entropy on the head
 
     def build_head(self) -> nn.Module:
         keys, labels, text = vl_assets(self.ctx.assets, self.name, "cache_x", "cache_y", "text")

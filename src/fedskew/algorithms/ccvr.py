@@ -58,6 +58,7 @@ from fedskew.algorithms.base import (
     server_arrays,
     weighted_average,
 )
+from fedskew.algorithms.helpers import eval_mode, frozen
 from fedskew.models.base import FedModel, HeadView, embed_in_chunks
 
 #: ``RoundInfo.generator`` key of the server's virtual-feature stream
@@ -154,8 +155,7 @@ def retrain_head(
 class CCVR(Algorithm):
     """CCVR (Luo et al. 2021): FedAvg, with the head calibrated on virtual features from class Gaussians."""
 
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
+    mean_aggregation = False  # FedAvg, then a head calibrated on uploaded class statistics
 
     class Params(HyperParams):
         virtual_per_class: int = Field(
@@ -200,10 +200,8 @@ class CCVR(Algorithm):
         if not self.calibrates(step.info.round):
             return plan
         model, client = step.model, step.client
-        was_training = model.training
-        model.eval()
-        z = embed_in_chunks(cast(FedModel, model).features, client.x)
-        model.train(was_training)
+        with eval_mode(model):
+            z = embed_in_chunks(cast(FedModel, model).features, client.x)
         stats = class_statistics(z.flatten(1), client.y, self.ctx.num_classes)
         return LocalPlan(plan.phases, derived={"stats": stats})
 
@@ -250,10 +248,7 @@ class CCVR(Algorithm):
         if None not in self.head_nets:
             with torch.random.fork_rng(devices=[]):  # never touch the global stream
                 model = self.ctx.build_model(None).to(self.ctx.device)
-            model.eval()
-            for p in model.parameters():
-                p.requires_grad_(False)
-            self.head_nets[None] = model
+            self.head_nets[None] = frozen(model)
         return self.head_nets[None]
 
     def calibrated(

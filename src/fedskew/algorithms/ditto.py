@@ -28,7 +28,6 @@ metric); the global protocol scores w (Ditto's global model is FedAvg's).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -52,6 +51,7 @@ from fedskew.algorithms.base import (
     model_arrays,
 )
 from fedskew.algorithms.fedprox import proximal_term
+from fedskew.algorithms.helpers import personal_module
 
 #: the submodule holding the personal model v_k in every model Ditto trains
 PERSONAL = "ditto_personal"
@@ -72,8 +72,6 @@ def is_global(name: str) -> bool:
 class Ditto(Algorithm):
     """Ditto (Li et al. 2021): FedAvg on w, and per client a personal v_k pulled towards the received w^t."""
 
-    mean_aggregation = True
-    vectorizable = True
     loss_reads = frozenset({"payload"})  # the anchor w^t of the proximal term
     personalized_eval: ClassVar[bool] = True
 
@@ -97,9 +95,7 @@ class Ditto(Algorithm):
     # ---------------------------------------------------------------- construction
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Every model gets its personal copy ``ditto_personal`` (same architecture, same initial values)."""
-        if not isinstance(getattr(model, PERSONAL, None), nn.Module):
-            model.add_module(PERSONAL, copy.deepcopy(model))
-        return model
+        return personal_module(model, PERSONAL)
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:

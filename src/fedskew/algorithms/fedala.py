@@ -26,7 +26,8 @@ Starting local training from θ̂: the runtime loads :meth:`model_weights` (Θ, 
 learns W and returns the top layers of θ̂ as the plan's ``start_weights``, which the runtime loads before
 training (contract, :class:`~fedskew.algorithms.steps.LocalPlan`); the loss is plain cross-entropy, so the
 engine's SGD (momentum, weight decay) runs from θ̂ itself, in every engine mode, vectorized included, and
-``finish_local`` uploads the trained model (docs/decisions.md, "Contract: LocalPlan.start_weights").
+``finish_local`` uploads the trained model (docs/methods/personalized.md, "Contract:
+LocalPlan.start_weights").
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from fedskew.algorithms.base import (
     clone_state,
     model_arrays,
 )
+from fedskew.algorithms.helpers import train_mode
 
 ALA_KEY = 0xA1A  # the start of the sampled slice
 
@@ -109,10 +111,7 @@ class FedALA(Algorithm):
     """FedALA (Zhang et al. 2023): FedAvg whose clients start from an element-wise learned mix of the global
     and their old local model (ALA)."""
 
-    mean_aggregation = True
     personalized_eval: ClassVar[bool] = True
-    vectorizable = True  # ALA runs per client in start_local; the loss is plain cross-entropy
-    loss_reads: ClassVar[frozenset[str]] = frozenset()
 
     class Params(HyperParams):
         rand_percent: float = Field(
@@ -174,20 +173,18 @@ class FedALA(Algorithm):
         frozen.update({k: v.detach().clone() for k, v in model.named_buffers()})  # BN updates hit copies
         start = "W" not in step.state
         weights = step.state.get("W") or {n: torch.ones_like(local[n]) for n in self.top}
-        was_training = model.training
-        model.train()  # as the code's temporary copy of the (training) local model
-        w, hat, epochs = learn_ala_weights(
-            model,
-            frozen,
-            {n: local[n] for n in self.top},
-            {n: glob[n] for n in self.top},
-            weights,
-            self.sample(step),
-            self.p,
-            self.ctx.client.batch_size,
-            start,
-        )
-        model.train(was_training)
+        with train_mode(model):  # as the code's temporary copy of the (training) local model
+            w, hat, epochs = learn_ala_weights(
+                model,
+                frozen,
+                {n: local[n] for n in self.top},
+                {n: glob[n] for n in self.top},
+                weights,
+                self.sample(step),
+                self.p,
+                self.ctx.client.batch_size,
+                start,
+            )
         # training starts from θ̂ (its top layers; the lower ones are Θ, loaded already)
         return LocalPlan(plan.phases, derived={"W": w, "ala_epochs": epochs}, start_weights=hat)
 

@@ -16,8 +16,3 @@ from fedskew.algorithms.base import (
 @ALGORITHMS.register("fedavg")
 class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017): local SGD, sample-weighted model averaging."""
-
-    mean_aggregation = True
-
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy: nothing of the payload or state is stacked

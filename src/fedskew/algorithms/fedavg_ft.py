@@ -8,14 +8,14 @@ sample-weighted mean (McMahan et al. 2017, Alg. 1). Personalization (Wang et al.
 global model it received on its local training data for ``finetune_epochs`` epochs of SGD (every parameter,
 or the head only) and is evaluated with the result.
 
-Our contract (docs/decisions.md, "FedAvg-FT / FedBABU: when the global model is fine-tuned"):
+Our contract (docs/methods/personalized.md, "FedAvg-FT / FedBABU: fine-tuning at evaluation"):
 
-* Evaluation has no data access, so the fine-tuning runs during the client's round, in ``finish_local``, on
-  a copy (:func:`fedskew.algorithms.finetune.finetune`), from the global model the client *received* this
-  round, not from its locally trained model, and never reaches the upload. The fine-tuned model is kept in
-  the client's state and is what the personalized protocol evaluates: after round t it is the fine-tuned
-  w_t, one round behind the server's w_{t+1} (the papers fine-tune the final global model once, after
-  training). A client not yet sampled (or without training data) is evaluated with the global model.
+* The personalized protocol fine-tunes the model being evaluated (the server's w_{t+1} after round t), on a
+  copy (:func:`fedskew.algorithms.finetune.finetune`) in :meth:`FedAvgFT.adapt_for_eval`, on the client's
+  training data, as the paper does with the final global model; nothing of it is kept (no client state).
+  A client without training data is scored with the global model. ``eval_finetune: stale`` keeps the former
+  procedure: the client fine-tunes the model it *received* in its round (``finish_local``), keeps it in its
+  state and is scored with it later (w_t after round t, older for a client not sampled since).
 * ``finetune_lr`` unset uses the round's local learning rate (``client.lr`` times the round's decay);
   batch size, momentum and weight decay are the client config's.
 """
@@ -44,25 +44,34 @@ from fedskew.algorithms.finetune import FINETUNE_KEY, FineTuneParams, finetune, 
 class FedAvgFT(Algorithm):
     """FedAvg-FT: FedAvg training; each client is evaluated with the global model fine-tuned locally."""
 
-    mean_aggregation = True
     personalized_eval: ClassVar[bool] = True
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
 
     Params = FineTuneParams
     p: FineTuneParams
 
+    def adapt_for_eval(self, step: LocalStep) -> Mapping[str, Tensor] | None:
+        """Wang et al. §3: the model being evaluated, fine-tuned on the client's training data."""
+        if self.p.eval_finetune == "stale" or step.client.num_samples == 0:
+            return None
+        plan = finetune_plan(self, self.p, step.info.round, step.model)
+        return finetune(
+            step.model, step.model.state_dict(), step.client, plan, step.info.generator(FINETUNE_KEY)
+        )
+
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
-        """Upload the trained model (FedAvg); keep the received global model fine-tuned on the client's
-        data in ``state["personal"]``."""
+        """Upload the trained model (FedAvg); under ``eval_finetune: stale`` keep the received global model
+        fine-tuned on the client's data in ``state["personal"]``."""
         upload = Payload(arrays=model_arrays(step.model.state_dict()))
-        plan = finetune_plan(self, self.p, result, step.model)
+        if self.p.eval_finetune == "fresh":
+            return LocalOutput(upload, step.state)
+        plan = finetune_plan(self, self.p, step.info.round, step.model)
         gen = step.info.generator(FINETUNE_KEY)
         personal = finetune(step.model, step.payload.model_state(), step.client, plan, gen)
         return LocalOutput(upload, {**step.state, "personal": personal})
 
     def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
-        """The client's fine-tuned model; the global one for the server and for clients never sampled."""
+        """The global model (fine-tuned by :meth:`adapt_for_eval`); under ``stale`` the client's kept
+        fine-tuned model, the global one for the server and for clients never sampled."""
         if state is not None and "personal" in state:
             return state["personal"]
         return payload.model_state()

@@ -10,14 +10,16 @@ own training data for τ_f epochs — the whole model by default (the paper's pe
 with ``finetune: head`` — and is evaluated with the result ("personalized accuracy"); the global model itself
 (aggregated body + initial head) is evaluated by the global protocol ("initial accuracy").
 
-Within our contract (docs/decisions.md, "FedAvg-FT / FedBABU: when the global model is fine-tuned"):
+Within our contract (docs/methods/personalized.md, "FedAvg-FT / FedBABU: fine-tuning at evaluation"):
 
 * The head's initial weights are a pure function of the run's config (the run's initial model): they never
   travel; :meth:`FedBABU.model_weights` loads them beside the received body (cached per architecture).
-* Fine-tuning needs data, which evaluation does not have, so it runs in the client's round, in
-  ``finish_local``, on a copy (:mod:`fedskew.algorithms.finetune`), from the global model the client received
-  (``finetune_from: global``; ``local`` starts from its trained body instead) and never reaches the upload.
-  The result is kept in the client's state; a client not yet sampled is evaluated with the global model.
+* The personalized protocol fine-tunes the model being evaluated (the aggregated body after round t and the
+  initial head) on the client's training data, on a copy (:mod:`fedskew.algorithms.finetune`), in
+  :meth:`FedBABU.adapt_for_eval` (§3: personalization from the final global model, then test); nothing of
+  it is kept. ``eval_finetune: stale`` keeps the former procedure: the client fine-tunes in its round (from
+  the model it received, ``finetune_from: global``, or its trained body, ``local``, which only ``stale``
+  allows), keeps the result in its state and is scored with it later.
 * The server averages bodies with sample weights (the code averages uniformly over the sampled clients).
 """
 
@@ -55,10 +57,7 @@ class FedBABU(Algorithm):
     """FedBABU (Oh et al. 2022): body-only federated training under a fixed random head; fine-tuning for
     personalization."""
 
-    mean_aggregation = True
     personalized_eval: ClassVar[bool] = True
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy; the head is frozen by the phase
     #: the initial head per architecture (a pure function of the context)
     working_buffers = frozenset({"initial_heads"})
 
@@ -66,7 +65,7 @@ class FedBABU(Algorithm):
         finetune_from: Literal["global", "local"] = Field(
             "global",
             description="what a client fine-tunes: the global model it received (the paper fine-tunes the "
-            "global model) or its body after this round's local training",
+            "global model) or its body after this round's local training (local: eval_finetune=stale only)",
         )
 
     p: Params
@@ -80,6 +79,11 @@ class FedBABU(Algorithm):
         if len(self.head) == len(model.state_dict()):
             raise ConfigError(f"{self.name}: the model has no body to train")
         self.initial_heads: dict[Hashable, dict[str, Tensor]] = {}
+        if self.p.finetune_from == "local" and self.p.eval_finetune == "fresh":  # no trained body at eval
+            raise ConfigError(
+                f"{self.name}: finetune_from=local needs eval_finetune=stale (with eval_finetune=fresh "
+                "allowed: finetune_from=global)"
+            )
 
     def is_head(self, name: str) -> bool:
         return name in self.head
@@ -112,19 +116,32 @@ class FedBABU(Algorithm):
         return LocalPlan([Phase(self.ctx.client.epochs, self.ctx.client.lr, trainable=self.is_body)])
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
-        """Upload the trained body; keep the fine-tuned model (from the received global model, or from the
-        trained body under ``finetune_from: local``) in ``state["personal"]``."""
+        """Upload the trained body; under ``eval_finetune: stale`` keep the fine-tuned model (from the
+        received global model, or from the trained body under ``finetune_from: local``) in
+        ``state["personal"]``."""
         sd = step.model.state_dict()
         upload = Payload(arrays=model_arrays(sd, self.is_body))
+        if self.p.eval_finetune == "fresh":
+            return LocalOutput(upload, step.state)
         start = self.model_weights(step.payload, None) if self.p.finetune_from == "global" else sd
-        plan = finetune_plan(self, self.p, result, step.model)
+        plan = finetune_plan(self, self.p, step.info.round, step.model)
         personal = finetune(step.model, start, step.client, plan, step.info.generator(FINETUNE_KEY))
         return LocalOutput(upload, {**step.state, "personal": personal})
 
     # ---------------------------------------------------------------- evaluation
+    def adapt_for_eval(self, step: LocalStep) -> Mapping[str, Tensor] | None:
+        """Oh et al. §3 / Alg. 1's evaluation: the global model (body + initial head) fine-tuned on the
+        client's training data, the whole network (``finetune: full``) or the head."""
+        if self.p.eval_finetune == "stale" or step.client.num_samples == 0:
+            return None
+        plan = finetune_plan(self, self.p, step.info.round, step.model)
+        return finetune(
+            step.model, step.model.state_dict(), step.client, plan, step.info.generator(FINETUNE_KEY)
+        )
+
     def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
-        """The client's fine-tuned model; the global model (body + initial head) for the server and for
-        clients never sampled."""
+        """The global model (body + initial head; fine-tuned by :meth:`adapt_for_eval`); under ``stale``
+        the client's kept fine-tuned model once it has one."""
         if state is not None and "personal" in state:
             return state["personal"]
         return self.model_weights(payload, None)

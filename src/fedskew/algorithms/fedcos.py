@@ -2,7 +2,8 @@
 via New Entropy Approach", arXiv:2303.14966v3; after Wu & Wang 2021).
 
 FedCos (Eq. 59): FedAvg whose aggregation weights are the cosine similarities between local and global
-models, at the static client learning rate (docs/decisions.md, "FedCos: the cosine and its normalisation").
+models, at the static client learning rate (docs/methods/fedent.md, "FedCos: the cosine and its
+normalisation").
 Cosines are clamped at 0 and normalised over the sampled clients; when none is positive the weights fall
 back to FedAvg's. The round's cosine statistics are :class:`ServerUpdate` metrics.
 """
@@ -51,8 +52,7 @@ def cosine(
 class FedCos(Algorithm):
     """FedCos (after Wu & Wang 2021, as in FedEnt Eq. 59): aggregation weights = cos(w_i, w), static lr."""
 
-    vectorizable = True  # plain cross-entropy; only the aggregation differs
-    loss_reads = frozenset()
+    mean_aggregation = False  # cosine-similarity weights from the uploads
 
     class Params(HyperParams):
         cosine_of: Literal["models", "updates"] = Field(

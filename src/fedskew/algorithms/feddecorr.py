@@ -23,7 +23,7 @@ Choices (docs/decisions.md):
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, cast
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +56,6 @@ def decorrelation_loss(z: Tensor, formula: str = "paper") -> Tensor:
 @ALGORITHMS.register("feddecorr")
 class FedDecorr(Algorithm):
     """FedDecorr (Shi et al. 2023): cross-entropy plus the decorrelation of the batch's representations."""
-
-    mean_aggregation = True
-    vectorizable = True
-    loss_reads: ClassVar[frozenset[str]] = frozenset()
 
     class Params(HyperParams):
         beta: float = Field(

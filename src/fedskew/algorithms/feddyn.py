@@ -14,6 +14,8 @@ Server, with m the total number of clients and P_t the participants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from pydantic import Field
 from torch import Tensor, nn
@@ -26,14 +28,12 @@ from fedskew.algorithms.base import (
     LocalOutput,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
-    RoundInfo,
     ServerUpdate,
     State,
-    Upload,
     model_arrays,
     uniform_weights,
-    weighted_average,
 )
 from fedskew.algorithms.fedprox import proximal_term
 
@@ -42,9 +42,7 @@ from fedskew.algorithms.fedprox import proximal_term
 class FedDyn(Algorithm):
     """FedDyn (Acar et al. 2021): dynamic linear + quadratic regulariser, server state h."""
 
-    mean_aggregation = True
-
-    vectorizable = True
+    loss_reads = frozenset({"payload", "state", "derived"})
 
     class Params(HyperParams):
         alpha: float = Field(
@@ -78,14 +76,16 @@ class FedDyn(Algorithm):
         upload = Payload(arrays=model_arrays(step.model.state_dict()))
         return LocalOutput(upload, {**step.state, "grad": grad})
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        prev = server["weights"]
-        n = len(uploads)
-        mean = weighted_average([u.payload.model_state() for u in uploads], uniform_weights(uploads))
-        scale = self.p.alpha * n / self.ctx.num_clients  # α (1/m) Σ_k (θ_k − θ) = α (|P|/m) (mean − θ)
-        new = dict(mean)  # buffers: the plain mean over participants
+    def mean_weights(self, counts: Sequence[int]) -> Tensor:
+        return uniform_weights(counts)  # the mean over the participants P
+
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
+        prev, avg = server["weights"], mean.model_state()
+        # α (1/m) Σ_k (θ_k − θ) = α (|P|/m) (mean − θ)
+        scale = self.p.alpha * info.count / self.ctx.num_clients
+        new = dict(avg)  # buffers: the plain mean over participants
         h_new = {}
         for name, h in server["h"].items():
-            h_new[name] = h - scale * (mean[name] - prev[name])
-            new[name] = mean[name] - h_new[name] / self.p.alpha
+            h_new[name] = h - scale * (avg[name] - prev[name])
+            new[name] = avg[name] - h_new[name] / self.p.alpha
         return ServerUpdate({**server, "weights": new, "h": h_new})

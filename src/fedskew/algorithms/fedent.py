@@ -9,12 +9,13 @@ epochs (Algorithm 2). It solves the mean-field optimal-control problem of Eqs. (
 :func:`~fedskew.algorithms.fedent_solver.solve_eta` at ``x = φ1(t)`` with the gradient ``g = ∇F_i(x)`` of
 one probe mini-batch (Algorithm 2, line 4) and clipped to ``[0, η_max]`` (docs/decisions.md, "FedEnt:
 solving the implicit Eq. (23)"). The value used is the EMA of Eq. (37), ``η_i(t) = γ η_i(t−1) + (1 − γ)
-η_raw``, seeded with ``η_i(−1) = client.lr`` (docs/decisions.md, "FedEnt: initial rate η_i(−1)");
+η_raw``, seeded with ``η_i(−1) = client.lr`` (docs/methods/fedent.md, "FedEnt: initial rate η_i(−1)");
 aggregation is FedAvg's (Eq. 3). ``start_local`` derives η and the probe statistics for the round; they
 reach ``finish_local`` through ``LocalPlan.derived`` and are never kept in the client's state.
 
 Mean-field estimators (Definition 2, Eqs. 11–12). ``φ1(t)`` is the actual global model ``w(t)``, the
-quantity it estimates (docs/decisions.md, "FedEnt: which point φ1(t) is"). ``φ2(t+1)`` is the scalar fixed
+quantity it estimates (docs/methods/fedent.md, "FedEnt: which point φ1(t) is"). ``φ2(t+1)`` is the scalar
+fixed
 point of Eq. (28), ``φ2(t+1) = Σ_j θ_j ‖φ1(t) − A_j(φ1(t), φ2(t+1)) g_j‖²``, solved by the server once per
 round. The paper evaluates it before training (Algorithm 1) with every client's gradient at every
 ``φ1(t)``; the server here has no client data, so it uses the statistics ``(s_j, G_j)`` that the previous
@@ -57,6 +58,7 @@ from fedskew.algorithms.base import (
     ServerUpdate,
     State,
     Upload,
+    fedavg_mean,
     load_state,
 )
 from fedskew.algorithms.fedent_solver import (
@@ -155,9 +157,9 @@ class FedEntParams(RateParams):
 class FedEnt(Algorithm):
     """FedEnt (Zheng et al. 2024): per-client, per-round learning rate from the entropy mean-field control."""
 
+    mean_aggregation = False  # population weights and a server step on reported scalars
+
     # plain cross-entropy at a per-client rate: the vectorized engine steps each client with its own η
-    vectorizable = True
-    loss_reads = frozenset()
 
     Params = FedEntParams
     p: FedEntParams
@@ -196,7 +198,7 @@ class FedEnt(Algorithm):
         """FedAvg over the sampled set (Eq. 3); the sampled clients' η_i(t) recorded for Eq. (37), φ2 for
         the next round (Eq. 28); the round's rate, entropy and drift diagnostics as metrics."""
         old = server["weights"]
-        state = super().aggregate(server, uploads, info).state
+        state = {**server, "weights": fedavg_mean(uploads)}
         reported = [{**u.payload.metrics, **u.payload.config} for u in uploads]
         eta = torch.tensor([values["eta"] for values in reported], dtype=F64)
         cids = torch.tensor([u.cid for u in uploads], dtype=torch.long)

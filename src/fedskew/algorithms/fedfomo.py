@@ -23,7 +23,10 @@ Choices (docs/decisions.md, "FedFomo"):
   code's default ``--model_delta_norm l1``). ``affinity="normalized"`` adds w_n / |Σ_m w_m| as that code does.
 * Training from θ_i^t: the runtime loads θ_i^{t−1} (:meth:`FedFomo.model_weights`: no data access), and
   ``start_local`` returns θ_i^t's parameters as the plan's ``start_weights``, which the runtime loads before
-  training (docs/decisions.md, "Contract: LocalPlan.start_weights"); the loss is plain cross-entropy.
+  training (docs/methods/personalized.md, "Contract: LocalPlan.start_weights"); the loss is plain
+  cross-entropy.
+* Server state: θ_n and P's rows are :class:`~fedskew.algorithms.server_table.ServerTable` rows of the
+  clients that have uploaded, so a round copies its uploaders' rows only, and large federations spill them.
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ from fedskew.algorithms.base import (
     LocalStep,
     Payload,
     RoundInfo,
+    ServerTable,
     ServerUpdate,
     State,
     Upload,
     clone_state,
     model_arrays,
 )
-from fedskew.errors import ConfigError
+from fedskew.algorithms.helpers import eval_mode, no_global_model
 from fedskew.seeding import derive_seed
 
 SELECT_KEY = 0xF0F0  # the server's ε-greedy draws
@@ -112,10 +116,10 @@ def validation_loss(model: nn.Module, state: Mapping[str, Tensor], x: Tensor, y:
 class FedFomo(Algorithm):
     """FedFomo (Zhang et al. 2021): each client mixes downloaded models by first-order validation gains."""
 
+    mean_aggregation = False  # per-client mixtures, no global mean
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
-    vectorizable = True  # the mixing runs per client in start_local; the loss is plain cross-entropy
-    loss_reads: ClassVar[frozenset[str]] = frozenset()
 
     class Params(HyperParams):
         M: int = Field(
@@ -143,49 +147,52 @@ class FedFomo(Algorithm):
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
-        self.param_names = frozenset(n for n, _ in ctx.model_template(None).named_parameters())
+        template = ctx.model_template(None)
+        self.param_names = frozenset(n for n, _ in template.named_parameters())
+        self.dtypes = {k: v.dtype for k, v in template.state_dict().items()}  # of the models the server keeps
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
-        n = self.ctx.num_clients
-        stacked = {
-            k: v.detach().unsqueeze(0).repeat(n, *[1] * v.dim()) for k, v in model.state_dict().items()
-        }
-        return {
-            "models": stacked,
-            "has": torch.zeros(n, dtype=torch.bool),
-            "P": torch.zeros(n, n, dtype=torch.float64),
-        }
+        """Two tables with a row per client that has uploaded (none yet): its latest model (``models``) and
+        its row P_i of the affinity matrix (``P``, float64 [N]); a client without a row has P_i = 0."""
+        return {"models": ServerTable(), "P": ServerTable()}
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         """The ε-greedy choice of other clients' latest models (nothing for global evaluation)."""
         if info.cid is None:
             return Payload()
-        available = torch.nonzero(server["has"]).flatten()
+        models, rows = server["models"], server["P"]
+        available = models.ids()
         available = available[available != info.cid]
         eps = max(self.p.epsilon - (info.round - 1) * self.p.epsilon_decay, 0.0)
-        ids = select_candidates(server["P"][info.cid], available, self.p.M, eps, info.generator(SELECT_KEY))
+        gen = info.generator(SELECT_KEY)
+        ids = select_candidates(self.affinity(rows, info.cid), available, self.p.M, eps, gen)
         arrays = {IDS: torch.tensor(ids, dtype=torch.long)}
         for k, j in enumerate(ids):
-            arrays.update({candidate_prefix(k) + n: v[j] for n, v in server["models"].items()})
+            arrays.update({candidate_prefix(k) + n: v for n, v in models[j].items()})
         return Payload(arrays=arrays)
 
+    def affinity(self, rows: ServerTable, cid: int) -> Tensor:
+        """P_i (float64 [N]): client ``cid``'s row of the affinity matrix, zeros before its first upload."""
+        return rows[cid]["P"] if cid in rows else torch.zeros(self.ctx.num_clients, dtype=torch.float64)
+
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        """Store each upload as its client's latest model; P_{i,n} += w_{i,n}."""
-        models = {k: v.clone() for k, v in server["models"].items()}
-        has, affinity = server["has"].clone(), server["P"].clone()
-        used = []
+        """Store each upload as its client's latest model; P_{i,n} += w_{i,n}. Only the uploaders' rows are
+        new: the other rows are shared with ``server``'s tables."""
+        models, rows = server["models"], server["P"]
+        new_models, new_rows, used = {}, {}, []
         for u in uploads:
-            for k, v in u.payload.model_state().items():
-                models[k][u.cid] = v.to(models[k].device)
-            has[u.cid] = True
+            sent = u.payload.model_state()
+            new_models[u.cid] = {k: v.to(self.ctx.device, self.dtypes[k], copy=True) for k, v in sent.items()}
             ids, w = u.payload.arrays[IDS].cpu(), u.payload.arrays[WEIGHTS].cpu().double()
             if self.p.affinity == "normalized" and ids.numel():
                 w = w / max(float(w.sum().abs()), 1e-9)
-            affinity[u.cid, ids] += w
+            p = self.affinity(rows, u.cid).clone()
+            p[ids] += w
+            new_rows[u.cid] = {"P": p}
             used.append(float((w > 0).sum()))
         metrics = {"fomo_models_used": sum(used) / max(len(used), 1)}
-        return ServerUpdate({"models": models, "has": has, "P": affinity}, metrics)
+        return ServerUpdate({"models": models.with_rows(new_models), "P": rows.with_rows(new_rows)}, metrics)
 
     # ---------------------------------------------------------------- client
     def init_client(self, cid: int) -> State:
@@ -193,7 +200,7 @@ class FedFomo(Algorithm):
 
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError("fedfomo has no global model to evaluate; set eval.protocol=personalized")
+            raise no_global_model(self.name)
         return state["weights"]
 
     def validation_split(self, client: ClientView) -> tuple[Tensor, Tensor]:
@@ -218,11 +225,9 @@ class FedFomo(Algorithm):
         if not cands or x.shape[0] == 0:
             zeros = torch.zeros(len(cands), device=x.device)
             return LocalPlan(plan.phases, derived={IDS: ids, WEIGHTS: zeros})
-        model, was_training = step.model, step.model.training
-        model.eval()
-        base = validation_loss(model, theta, x, y)
-        losses = torch.stack([validation_loss(model, c, x, y) for c in cands])
-        model.train(was_training)
+        with eval_mode(step.model) as model:
+            base = validation_loss(model, theta, x, y)
+            losses = torch.stack([validation_loss(model, c, x, y) for c in cands])
         dists = torch.stack([self.distance(c, theta) for c in cands]).to(losses.device)
         w = first_order_weights(base, losses, dists)
         mix = mixing_weights(w)

@@ -68,8 +68,10 @@ from fedskew.algorithms.base import (
     weighted_average,
 )
 from fedskew.algorithms.batching import batches_per_epoch
+from fedskew.algorithms.helpers import frozen
 from fedskew.models.base import FedModel, HeadView
 from fedskew.seeding import derive_seed
+from fedskew.update_rules import adam_l2_update
 
 #: payload prefix of the generator's state (weights and BatchNorm statistics)
 GEN_PREFIX = "generator."
@@ -141,16 +143,12 @@ def generator_state(payload: Payload) -> Mapping[str, Tensor]:
     return {k[len(GEN_PREFIX) :]: v for k, v in payload.arrays.items() if k.startswith(GEN_PREFIX)}
 
 
-def _frozen(module: nn.Module) -> nn.Module:
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
-
-
 @ALGORITHMS.register("fedgen")
 class FedGen(Algorithm):
     """FedGen (Zhu et al. 2021): FedAvg plus a server-trained feature generator that regularises clients."""
+
+    mean_aggregation = False  # the mean plus a generator trained on the server
+    vectorizable = False
 
     class Params(HyperParams):
         alpha: float = Field(
@@ -221,7 +219,7 @@ class FedGen(Algorithm):
         if None not in self.teachers:
             with torch.random.fork_rng(devices=[]):
                 model = self.ctx.build_model(None).to(self.ctx.device)
-            self.teachers[None] = _frozen(model)
+            self.teachers[None] = frozen(model)
         return self.teachers[None]
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -295,16 +293,13 @@ class FedGen(Algorithm):
         return clone_state(gen.state_dict()), adam, metrics
 
     def _adam_step(self, gen: nn.Module, adam: dict, lr: float) -> dict:
-        """One Adam step (torch's, L2 weight decay added to the gradient) with new moment tensors."""
-        (b1, b2), t = ADAM_BETAS, adam["step"] + 1
-        m, v = dict(adam["m"]), dict(adam["v"])
+        """One Adam step (torch's, L2 weight decay added to the gradient: :func:`adam_l2_update`) with new
+        moment tensors."""
+        t, wd = adam["step"] + 1, self.p.generator_weight_decay
+        params = dict(gen.named_parameters())
+        grads = {n: cast(Tensor, q.grad) for n, q in params.items()}
         with torch.no_grad():
-            for name, param in gen.named_parameters():
-                g = cast(Tensor, param.grad) + self.p.generator_weight_decay * param
-                m[name] = b1 * m[name] + (1 - b1) * g
-                v[name] = b2 * v[name] + (1 - b2) * g * g
-                denom = numerics.sqrt(v[name] / (1 - b2**t)) + ADAM_EPS
-                param.sub_(lr * (m[name] / (1 - b1**t)) / denom)
+            m, v = adam_l2_update(params, grads, (adam["m"], adam["v"]), t, lr, ADAM_BETAS, ADAM_EPS, wd)
         return {"m": m, "v": v, "step": t}
 
     # ---------------------------------------------------------------- client
@@ -316,7 +311,7 @@ class FedGen(Algorithm):
             return plan
         gen = self.gen_module(state["out.weight"].shape[0], "client").to(step.client.x.device)
         load_state(gen, state)
-        return LocalPlan(plan.phases, derived={"generator": _frozen(gen)})
+        return LocalPlan(plan.phases, derived={"generator": frozen(gen)})
 
     def _label_prior(self) -> Tensor:
         total = self.ctx.class_counts.sum(0).double()

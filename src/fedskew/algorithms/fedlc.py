@@ -28,7 +28,7 @@ only its scratch and the method trains vectorized.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -60,10 +60,6 @@ def calibrated_cross_entropy(logits: Tensor, y: Tensor, shift: Tensor) -> Tensor
 @ALGORITHMS.register("fedlc")
 class FedLC(Algorithm):
     """FedLC (Zhang et al. 2022): cross-entropy on logits calibrated by the client's label counts."""
-
-    mean_aggregation = True
-    vectorizable = True
-    loss_reads: ClassVar[frozenset[str]] = frozenset()  # the loss reads only the shift made in init_scratch
 
     class Params(HyperParams):
         tau: float = Field(

@@ -75,6 +75,7 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.helpers import eval_mode
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.models.base import FedModel, embed_in_chunks
 from fedskew.seeding import derive_seed
@@ -162,6 +163,9 @@ def infuse_semantics(
 class FedNH(Algorithm):
     """FedNH (Dai et al. 2023): fixed, uniformly initialised class prototypes as a cosine classifier, updated
     on the server by smoothing towards the clients' class means of normalised embeddings."""
+
+    mean_aggregation = False  # class prototypes smoothed on the server
+    vectorizable = False
 
     class Params(HyperParams):
         rho: float = Field(
@@ -290,10 +294,8 @@ class FedNH(Algorithm):
         """Upload: body, s, and per held class the mean normalised embedding (eval-mode pass after
         training, as the code) with its count."""
         model, client = step.model, step.client
-        was_training = model.training
-        model.eval()
-        z = F.normalize(embed_in_chunks(cast(FedModel, model).features, client.x), dim=1)
-        model.train(was_training)
+        with eval_mode(model):
+            z = F.normalize(embed_in_chunks(cast(FedModel, model).features, client.x), dim=1)
         table, counts = class_means(z, client.y, self.ctx.num_classes)
         if self.p.normalize_means:
             table = F.normalize(table, dim=1)

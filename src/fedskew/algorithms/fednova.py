@@ -44,13 +44,10 @@ from fedskew.algorithms.base import (
     LocalOutput,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
-    RoundInfo,
     ServerUpdate,
     State,
-    Upload,
-    sample_weights,
-    weighted_average,
 )
 from fedskew.algorithms.fedprox import proximal_term
 
@@ -79,9 +76,7 @@ def normalizer(steps: int, momentum: float = 0.0, eta_mu: float = 0.0) -> float:
 class FedNova(Algorithm):
     """FedNova (Wang et al. 2020): normalised averaging of local updates, rescaled by τ_eff."""
 
-    mean_aggregation = True
     reads_client_scalars = True  # τ_eff from each client's ‖a_i‖₁ (Eq. 6): refused under DP
-    vectorizable = True
     loss_reads = frozenset({"payload"})  # the proximal anchor (mu > 0)
 
     class Params(HyperParams):
@@ -131,14 +126,15 @@ class FedNova(Algorithm):
         config = {"a": a, "steps": float(result.steps)} if self.p.tau_eff == "steps" else {"a": a}
         return LocalOutput(Payload(arrays=arrays, config=config), step.state)
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
+        """x + τ_eff Σ p_i (y_i − x)/‖a_i‖₁ with p_i = n_i / n (the mean's weights) and τ_eff from the
+        scalars the clients reported; buffers: the mean."""
         x = server["weights"]
-        p = sample_weights(uploads)
         key = "a" if self.p.tau_eff == "normalizer" else "steps"
-        tau_eff = sum(float(w) * u.payload.config[key] for w, u in zip(p.tolist(), uploads, strict=True))
-        # Σ p_i (y_i − x)/‖a_i‖₁
-        step = weighted_average([u.payload.prefixed(NORMALIZED_PREFIX) for u in uploads], p)
-        new = weighted_average([u.payload.model_state() for u in uploads], p)  # buffers: the mean
+        reported = zip(info.weights.tolist(), info.uploads, strict=True)
+        tau_eff = sum(float(w) * u.payload.config[key] for w, u in reported)
+        step = mean.prefixed(NORMALIZED_PREFIX)  # Σ p_i (y_i − x)/‖a_i‖₁
+        new = mean.model_state()
         for name, d in step.items():
             new[name] = x[name] + tau_eff * d
         metrics = {"tau_eff": tau_eff}

@@ -64,8 +64,6 @@ def global_logits(model: nn.Module, payload: Payload, x: Tensor) -> Tensor:
 class FedNTD(Algorithm):
     """FedNTD (Lee et al. 2022): cross-entropy plus not-true distillation from the received global model."""
 
-    mean_aggregation = True
-    vectorizable = True
     loss_reads: ClassVar[frozenset[str]] = frozenset({"payload"})  # the global model's weights
 
     class Params(HyperParams):

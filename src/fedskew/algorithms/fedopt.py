@@ -29,12 +29,10 @@ from fedskew.algorithms.base import (
     ALGORITHMS,
     Algorithm,
     HyperParams,
-    RoundInfo,
+    MeanInfo,
+    Payload,
     ServerUpdate,
     State,
-    Upload,
-    sample_weights,
-    weighted_average,
 )
 
 
@@ -42,20 +40,17 @@ class ServerOptimizer(Algorithm):
     """Shared aggregation: FedAvg's weighted mean, then one server-optimizer step on the parameters.
 
     Subclasses name their per-parameter slots (``slots``, the first holds every parameter name), give each
-    slot's initial value (:meth:`init_slot`) and the step (:meth:`server_step`). Slot ``s`` of parameter
-    ``n`` lives in ``server[s][n]``.
+    slot's initial value (:meth:`init_slot`) and the step (:meth:`param_step`). Slot ``s`` of parameter
+    ``n`` lives in ``server[s][n]``. The mean is the engine's (``mean_aggregation``: folded as uploads
+    arrive where the executor can; replaced by a robust rule or DP where configured).
     """
 
-    mean_aggregation = True
-
     slots: ClassVar[tuple[str, ...]] = ("m",)
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
 
     def init_slot(self, slot: str, param: Tensor) -> Tensor:
         return torch.zeros_like(param)
 
-    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def param_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         """Return the new slot values and the update added to the parameter."""
         raise NotImplementedError
 
@@ -66,13 +61,13 @@ class ServerOptimizer(Algorithm):
             server[slot] = {n: self.init_slot(slot, p) for n, p in params.items()}
         return server
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        avg = weighted_average([u.payload.model_state() for u in uploads], sample_weights(uploads))
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
+        avg = mean.model_state()
         weights = server["weights"]
         new = dict(avg)  # buffers: the plain weighted average
         new_slots: dict[str, dict[str, Tensor]] = {s: {} for s in self.slots}
         for name in server[self.slots[0]]:  # the parameter names
-            slots, update = self.server_step(
+            slots, update = self.param_step(
                 {s: server[s][name] for s in self.slots}, avg[name] - weights[name]
             )
             for s, value in slots.items():
@@ -103,7 +98,7 @@ class FedAvgM(ServerOptimizer):
 
     p: Params
 
-    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def param_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         m = self.p.momentum * slots["m"] + delta  # Hsu et al.: v ← βv + Δw (no dampening)
         return {"m": m}, self.p.server_lr * m
 
@@ -151,7 +146,7 @@ class AdaptiveServerOptimizer(ServerOptimizer):
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def server_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    def param_step(self, slots: dict[str, Tensor], delta: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         m = self.p.beta1 * slots["m"] + (1.0 - self.p.beta1) * delta
         v = self.second_moment(slots["v"], delta * delta)
         return {"m": m, "v": v}, self.p.server_lr * m / (numerics.sqrt(v) + self.p.tau)

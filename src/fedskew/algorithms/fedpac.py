@@ -56,6 +56,7 @@ from fedskew.algorithms.base import (
     Payload,
     Phase,
     RoundInfo,
+    ServerTable,
     ServerUpdate,
     State,
     Upload,
@@ -67,6 +68,7 @@ from fedskew.algorithms.base import (
     weighted_average,
 )
 from fedskew.algorithms.fedper import personal_names
+from fedskew.algorithms.helpers import eval_mode, no_global_model
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.errors import ConfigError
 from fedskew.models.base import FedModel, embed_in_chunks
@@ -142,10 +144,10 @@ def feature_statistics(z: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, 
 class FedPAC(Algorithm):
     """FedPAC (Xu et al. 2023): prototype-aligned shared body, personal heads combined by the server."""
 
+    mean_aggregation = False  # per-client head combinations
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
-    vectorizable: ClassVar[bool] = True  # the loss reads only dense init_scratch tensors
-    loss_reads: ClassVar[frozenset[str]] = frozenset()
 
     class Params(HyperParams):
         lam: float = Field(
@@ -192,11 +194,11 @@ class FedPAC(Algorithm):
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:
         sd = clone_state(model.state_dict())
-        n, c = self.ctx.num_clients, self.ctx.num_classes
-        heads = {k: v[None].repeat(n, *([1] * v.dim())) for k, v in sd.items() if self.is_head(k)}
+        c = self.ctx.num_classes
         return {
             "weights": {k: v for k, v in sd.items() if self.is_body(k)},
-            "heads": heads,  # [N, ...] per head entry: each client's next head φ̂_i (initial head first)
+            "head0": {k: v for k, v in sd.items() if self.is_head(k)},  # the initial head
+            "heads": ServerTable(),  # a row per client whose next head φ̂_i was computed (else head0)
             "protos": torch.zeros(c, self.dim),
             "present": torch.zeros(c, dtype=torch.bool),
         }
@@ -206,7 +208,8 @@ class FedPAC(Algorithm):
         classes = torch.nonzero(server["present"]).flatten()
         arrays = {**server_arrays(server["weights"]), "classes": classes, "protos": server["protos"][classes]}
         if info.cid is not None:
-            arrays.update({HEAD + k: v[info.cid].clone() for k, v in server["heads"].items()})
+            head = server["heads"].get(info.cid, server["head0"])
+            arrays.update({HEAD + k: v.clone() for k, v in head.items()})
         return Payload(arrays=arrays)
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
@@ -222,11 +225,11 @@ class FedPAC(Algorithm):
             protos, present = torch.where(got[:, None], table, protos), present | got
         heads_up = [u.payload.prefixed(HEAD) for u in uploads]
         alpha = self.combination_weights(uploads) if self.p.combine else torch.eye(len(uploads))
-        heads = {k: v.clone() for k, v in server["heads"].items()}
+        head0, rows = server["head0"], {}
         for i, u in enumerate(uploads):
             new = weighted_average(heads_up, alpha[i])
-            for k in heads:
-                heads[k][u.cid] = new[k].to(heads[k].device, heads[k].dtype)
+            rows[u.cid] = {k: new[k].to(v.device, v.dtype) for k, v in head0.items()}
+        heads = server["heads"].with_rows(rows)  # the other clients' rows are shared, not copied
         metrics = {
             "alpha_self": float(alpha.diagonal().mean()),
             "alpha_support": float((alpha > 1e-3).sum(1).double().mean()),
@@ -255,15 +258,12 @@ class FedPAC(Algorithm):
     # ---------------------------------------------------------------- client
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError("fedpac has no global head to evaluate; set eval.protocol=personalized")
+            raise no_global_model(self.name, "head")
         return {**payload.model_state(), **payload.prefixed(HEAD)}
 
     def _features(self, model: nn.Module, x: Tensor) -> Tensor:
-        was_training = model.training
-        model.eval()
-        z = embed_in_chunks(cast(FedModel, model).features, x)
-        model.train(was_training)
-        return z
+        with eval_mode(model):
+            return embed_in_chunks(cast(FedModel, model).features, x)
 
     def start_local(self, step: LocalStep) -> LocalPlan:
         """Statistics under the received body (before training), then the head phase and the body phase."""

@@ -9,7 +9,7 @@ cross-entropy; it is evaluated with the received base and its own personal layer
 * ``head``: the classifier (the model's ``classifier.*`` parameters), FedPer's usual setting;
 * ``linear``: every fully connected layer, the convolutional layers shared — the split of the FedProto
   authors' helper (``fc*`` personal) that matches their Table 1 count of 20 × 5,280 communicated parameters on
-  MNIST (docs/decisions.md, "FedPer: which layers are personal").
+  MNIST (docs/methods/baselines.md, "FedPer: which layers are personal").
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def personal_names(model: nn.Module, split: str) -> set[str]:
 class FedPer(Algorithm):
     """FedPer (Arivazhagan et al. 2019): FedAvg on the base layers, personal layers kept by each client."""
 
-    mean_aggregation = True
+    vectorizable = False
 
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True

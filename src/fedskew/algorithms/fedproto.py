@@ -23,7 +23,7 @@ Options, defaults first (the reasons are in docs/decisions.md, "FedProto: ..." e
 * ``eval_classes``: ``own`` (the client's classes, the code) or ``all`` (every global prototype).
 
 Round 1 starts from an empty prototype set, not zero vectors (Algorithm 1 line 1 leaves it open; see
-docs/decisions.md, "FedProto: initial global prototypes"), so it is pure cross-entropy training; with
+docs/methods/fedproto.md, "FedProto: initial global prototypes"), so it is pure cross-entropy training; with
 λ = 0 FedProto is exactly :mod:`local`. Classes absent from a round's uploads (partial participation) keep
 their previous global prototype. Differences from the code: no ``drop_last`` (the engine drops only a
 trailing batch of one), exclusion by +∞ distance rather than the code's sentinel 100.
@@ -56,6 +56,7 @@ from fedskew.algorithms.base import (
     clone_state,
     embedding_dim,
 )
+from fedskew.algorithms.helpers import eval_mode, no_global_model
 from fedskew.algorithms.protos import (
     ClassAccumulator,
     aggregate_prototypes,
@@ -63,7 +64,6 @@ from fedskew.algorithms.protos import (
     nearest_prototype_scores,
     pack,
 )
-from fedskew.errors import ConfigError
 from fedskew.models.base import FedModel, embed_in_chunks
 
 
@@ -91,11 +91,11 @@ def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, fo
 class FedProto(Algorithm):
     """FedProto (Tan et al. 2022): personal models regularised towards global class prototypes."""
 
+    mean_aggregation = False  # class prototypes, no model
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
     heterogeneous_models: ClassVar[bool] = True  # only prototypes are shared (Algorithm 1)
-    vectorizable: ClassVar[bool] = True  # dense prototype table and last-epoch sums in init_scratch
-    loss_reads: ClassVar[frozenset[str]] = frozenset()  # the loss reads only its init_scratch tensors
 
     class Params(HyperParams):
         lam: float = Field(
@@ -171,7 +171,7 @@ class FedProto(Algorithm):
 
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError("fedproto has no global model to evaluate; set eval.protocol=personalized")
+            raise no_global_model(self.name)
         return state["weights"]
 
     def _targets(self, payload: Payload, dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -207,9 +207,8 @@ class FedProto(Algorithm):
         return loss
 
     def _recompute(self, model: nn.Module, client: ClientView) -> tuple[Tensor, Tensor]:
-        model.eval()
-        h = embed_in_chunks(cast(FedModel, model).features, client.x)
-        model.train()
+        with eval_mode(model):
+            h = embed_in_chunks(cast(FedModel, model).features, client.x)
         return class_means(h, client.y, self.ctx.num_classes)
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:

@@ -31,9 +31,7 @@ def proximal_term(model: nn.Module, anchor: Mapping[str, Tensor]) -> Tensor:
 class FedProx(Algorithm):
     """FedProx (Li et al. 2020): FedAvg plus a proximal term μ/2‖w − w_global‖² in the local loss."""
 
-    mean_aggregation = True
-
-    vectorizable = True
+    loss_reads = frozenset({"payload", "state", "derived"})
 
     class Params(HyperParams):
         mu: float = Field(

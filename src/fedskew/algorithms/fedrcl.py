@@ -65,6 +65,7 @@ from fedskew.algorithms.base import (
     ServerUpdate,
     State,
     Upload,
+    fedavg_mean,
     model_arrays,
     sample_weights,
 )
@@ -206,6 +207,9 @@ def collect_features(
 class FedRCL(Algorithm):
     """FedRCL (Seo et al. 2024): CE + β · multi-level relaxed supervised contrastive loss; FedAvg."""
 
+    mean_aggregation = False
+    vectorizable = False
+
     class Params(HyperParams):
         beta: float = Field(
             1.0,
@@ -245,7 +249,7 @@ class FedRCL(Algorithm):
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """FedAvg on the weights; sample-weighted mean of the clients' loss diagnostics as metrics."""
-        update = super().aggregate(server, uploads, info)
+        update = ServerUpdate({**server, "weights": fedavg_mean(uploads)})
         w = sample_weights(uploads)
         metrics = {
             k: float(sum(wk * u.payload.metrics[k] for wk, u in zip(w.tolist(), uploads, strict=True)))

@@ -47,6 +47,7 @@ from fedskew.algorithms.base import (
     model_arrays,
     server_arrays,
 )
+from fedskew.algorithms.helpers import personal_module
 from fedskew.models.base import FedModel
 
 #: the personalized head's module name (its state entries start with ``PERSONAL + "."``)
@@ -62,9 +63,6 @@ def balanced_softmax_loss(logits: Tensor, y: Tensor, log_prior: Tensor) -> Tenso
 class FedRoD(Algorithm):
     """FedRoD (Chen & Chao 2022): a generic head on a balanced risk (FedAvg) plus a local additive head."""
 
-    mean_aggregation = True
-    vectorizable = True
-    loss_reads = frozenset()  # the class prior comes from scratch
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
@@ -83,13 +81,14 @@ class FedRoD(Algorithm):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Every model gets the zero-initialised linear personalized head p: R^d → R^C."""
-        if not hasattr(model, PERSONAL):
-            dim = embedding_dim(model, self.name)
-            head = nn.Linear(dim, self.ctx.num_classes).to(next(model.parameters()).device)
-            nn.init.zeros_(head.weight)
-            nn.init.zeros_(head.bias)
-            model.add_module(PERSONAL, head)
-        return model
+        return personal_module(model, PERSONAL, self._zero_head)
+
+    def _zero_head(self, model: nn.Module) -> nn.Module:
+        dim, device = embedding_dim(model, self.name), next(model.parameters()).device
+        head = nn.Linear(dim, self.ctx.num_classes).to(device)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return head
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:

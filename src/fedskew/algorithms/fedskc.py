@@ -3,7 +3,7 @@ Collaboration").
 
 Structural knowledge lives in the C-dimensional **logit** space: the paper defines it with the full model's
 output ``f_k(w_k; x)`` (§III-A), calls it "the normalized pre-softmax output" (§III-D), and GPR takes a
-variance over its C entries (Eq. 5); see docs/decisions.md, "FedSKC: space of the structural knowledge".
+variance over its C entries (Eq. 5); see docs/methods/fedskc.md, "FedSKC: space of the structural knowledge".
 
 * **Local structural knowledge** (§III-A): after local training each client computes, per class it holds, the
   mean logit vector of its final model and applies SiLU, ``c_k^j = c̄ ⊙ σ(c̄)``.
@@ -17,7 +17,8 @@ variance over its C entries (Eq. 5); see docs/decisions.md, "FedSKC: space of th
   global prototypes; ``w ← β w_agg + (1−β) γ_r (w_prev − w_agg)``.
 
 Two printed formulas are degenerate (Eq. 4 saturates, Eq. 5 is not a convex combination), so both forms
-are options and the logs show the difference (docs/decisions.md, "FedSKC: GDA weights saturate (Eq. 4)" and
+are options and the logs show the difference (docs/methods/fedskc.md, "FedSKC: GDA weights saturate (Eq.
+4)" and
 "FedSKC: Eq. 5 is not a convex combination"):
 
 * ``gda_mode``: ``literal`` (raw ``N_k`` in the sigmoid: saturates to exactly uniform weights whenever
@@ -195,6 +196,9 @@ def lcl_loss(
 class FedSKC(Algorithm):
     """FedSKC: logit prototypes, local contrastive learning, discrepancy aggregation, period review."""
 
+    mean_aggregation = False
+    vectorizable = False
+
     class Params(HyperParams):
         m: int = Field(1, ge=0, description="M, nearest clients merged in Eq. (1) (source: §IV-A, M=1)")
         tau: float = Field(0.08, gt=0.0, description="LCL temperature τ, Eq. (3) (source: §IV-A, τ=0.08)")
@@ -367,7 +371,7 @@ class FedSKC(Algorithm):
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
         model, client, scratch = step.model, step.client, step.scratch
         # An eval-mode pass over the local data with the final model (no augmentation): Algorithm 1 computes
-        # c_k after the local epochs; see docs/decisions.md, "FedSKC: how local prototypes are computed".
+        # c_k after the local epochs; see docs/methods/fedskc.md, "FedSKC: how local prototypes are computed".
         model.eval()
         logits = embed_in_chunks(model, client.x)
         model.train()

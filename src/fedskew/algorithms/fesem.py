@@ -77,10 +77,10 @@ def squared_distances(
 class FeSEM(Algorithm):
     """FeSEM (Xie et al. 2020): K model centers, clients assigned to the nearest, centers averaged."""
 
+    mean_aggregation = False  # cluster centres
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
-    vectorizable: ClassVar[bool] = True  # plain cross-entropy on the received model
-    loss_reads: ClassVar[frozenset[str]] = frozenset()
 
     class Params(HyperParams):
         clusters: int = Field(

@@ -1,18 +1,19 @@
 """Local fine-tuning on a copy: the personalization step of FedAvg-FT and FedBABU.
 
 Both methods evaluate a client with a model fine-tuned on its own training data for ``τ_f`` epochs (FedBABU,
-Oh, Kim, Yun, ICLR 2022; "FedAvg-FT", Wang et al. 2019). The engine's optimizer loop trains the model the
-client uploads; the fine-tuned model must not reach the upload, so it is computed here, as an auxiliary
-computation on copies: :func:`finetune` runs mini-batch SGD with ``torch.optim.SGD``'s update
+Oh, Kim, Yun, ICLR 2022; "FedAvg-FT", Wang et al. 2019). The fine-tuned model must never reach an upload
+nor the committed state, so it is computed here, as an auxiliary computation on copies: :func:`finetune`
+runs mini-batch SGD with the engine's update rule (:class:`fedskew.update_rules.SGD`, ``torch.optim.SGD``'s
+update, the leaf module algorithms and the engine share)
 
     g ← ∇ℓ(p) + weight_decay · p;   b ← g (first step) or momentum · b + g;   p ← p − lr · b
 
-(the engine's rule, :mod:`fedskew.engine.sgd`, which an algorithm may not import) over the parameters that
-``trainable`` accepts, on mini-batches of the client's data cut from a permutation drawn from a given
-generator (a trailing batch of one sample is dropped, as the engine does), in training mode (BatchNorm
-batch statistics; running statistics update copies; dropout draws from a seed of that generator inside a
-forked RNG). Neither the model nor the given weights change. The settings both methods share
-(:class:`FineTuneParams`) and the plan of one client's round (:func:`finetune_plan`) live here too.
+over the parameters that ``trainable`` accepts, on mini-batches of the client's data cut from a permutation
+drawn from a given generator (a trailing batch of one sample is dropped, as the engine does), in training
+mode (BatchNorm batch statistics; running statistics update copies; dropout draws from a seed of that
+generator inside a forked RNG). Neither the model nor the given weights change. It runs where it is called
+from, evaluation included (gradients are enabled inside). The settings both methods share
+(:class:`FineTuneParams`) and the plan of one fine-tuning (:func:`finetune_plan`) live here too.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from torch.func import functional_call
 
 from fedskew.algorithms.base import Algorithm, HyperParams
 from fedskew.algorithms.batching import epoch_batches
-from fedskew.algorithms.steps import ClientView, LocalResult
+from fedskew.algorithms.helpers import train_mode
+from fedskew.algorithms.steps import ClientView
 from fedskew.errors import ConfigError
+from fedskew.update_rules import SGD
 
 
 @dataclass(frozen=True)
@@ -59,40 +62,23 @@ def finetune(
     train = [n for n in names if plan.trainable is None or plan.trainable(n)]
     params = {n: weights[n].detach().clone() for n in names}
     buffers = {n: weights[n].detach().clone() for n, _ in model.named_buffers() if n in weights}
-    moments: dict[str, Tensor] = {}
+    leaves = [params[n].requires_grad_(True) for n in train]
+    opt = SGD(leaves, plan.lr, plan.momentum, plan.weight_decay)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
     devices = [client.x.device] if client.x.device.type == "cuda" else []
-    was_training = model.training
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), train_mode(model), torch.enable_grad():
         torch.manual_seed(seed)
-        model.train()
-        try:
-            for _ in range(plan.epochs if train else 0):
-                for idx in epoch_batches(client.num_samples, plan.batch_size, generator, client.x.device):
-                    leaves = [params[n].requires_grad_(True) for n in train]
-                    out = functional_call(model, {**params, **buffers}, (client.x[idx],))
-                    grads = torch.autograd.grad(
-                        F.cross_entropy(out, client.y[idx]), leaves, allow_unused=True
-                    )
-                    with torch.no_grad():
-                        for n, p, g in zip(train, leaves, grads, strict=True):
-                            _sgd_step(n, p, g, moments, plan)
-        finally:
-            model.train(was_training)
+        for _ in range(plan.epochs if train else 0):
+            for idx in epoch_batches(client.num_samples, plan.batch_size, generator, client.x.device):
+                out = functional_call(model, {**params, **buffers}, (client.x[idx],))
+                grads = torch.autograd.grad(F.cross_entropy(out, client.y[idx]), leaves, allow_unused=True)
+                for p, g in zip(leaves, grads, strict=True):
+                    p.grad = g
+                opt.step()
+                opt.zero_grad()
     out_state = {n: p.detach() for n, p in params.items()}
     out_state.update(buffers)
     return {k: out_state[k] if k in out_state else v.detach().clone() for k, v in weights.items()}
-
-
-def _sgd_step(name: str, p: Tensor, g: Tensor | None, moments: dict[str, Tensor], plan: FineTune) -> None:
-    """``torch.optim.SGD``'s step on ``p`` in place (a parameter without gradient is left alone)."""
-    if g is None:
-        return
-    d = g + plan.weight_decay * p if plan.weight_decay else g
-    if plan.momentum:
-        d = d if name not in moments else moments[name].mul(plan.momentum).add(d)
-        moments[name] = d
-    p.sub_(plan.lr * d)
 
 
 #: the generator stream of the fine-tuning batches (and its dropout seed)
@@ -129,16 +115,24 @@ class FineTuneParams(HyperParams):
         description="fine-tuned parameters: the whole model (FedBABU's personalization, Wang et al. 2019) "
         "or the head only (FedBABU's head-only comparison)",
     )
+    eval_finetune: Literal["fresh", "stale"] = Field(
+        "fresh",
+        description="fresh: each evaluation fine-tunes the model being evaluated on the client's data (the "
+        "papers: fine-tune the global model, then test); stale: the client fine-tunes the model it received "
+        "in its round and is scored with that later (one round or more behind; fedskew before contract v4)",
+    )
 
 
-def finetune_plan(alg: Algorithm, p: FineTuneParams, result: LocalResult, model: nn.Module) -> FineTune:
-    """The fine-tuning of one client's round under ``p`` (the client config's batches, momentum and weight
-    decay; the round's lr unless ``finetune_lr`` is set)."""
+def finetune_plan(alg: Algorithm, p: FineTuneParams, round_idx: int, model: nn.Module) -> FineTune:
+    """The fine-tuning under ``p`` after round ``round_idx`` (the client config's batches, momentum and
+    weight decay; unless ``finetune_lr`` is set, the rate clients train with in that round, ``client.lr``
+    times the round's factor, as the engine computes it)."""
     heads = frozenset(head_filter(model, alg.name)) if p.finetune == "head" else None
     cfg = alg.ctx.client
+    round_lr = cfg.lr * cfg.round_lr_scale(round_idx, alg.ctx.rounds)
     return FineTune(
         epochs=p.finetune_epochs,
-        lr=p.finetune_lr if p.finetune_lr is not None else result.lr,
+        lr=p.finetune_lr if p.finetune_lr is not None else round_lr,
         batch_size=cfg.batch_size,
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,

@@ -19,7 +19,8 @@ Which layers are global (``global_layers``):
 Local representations may differ in architecture between clients (``model.per_client``), as long as the
 global layers have the same names and shapes (the same embedding size): ``heterogeneous_models``.
 
-Deviations (docs/decisions.md, "LG-FedAvg: global layers, initialisation, averaging"): the authors' code
+Deviations (docs/methods/personalized.md, "LG-FedAvg: global layers, initialisation, averaging"): the
+authors' code
 starts LG-FedAvg from a FedAvg-trained model (``--load_fed``) and averages uniformly over the sampled clients;
 here it starts from the run's initial model and averages with sample weights (FedAvg's n_k/n).
 """
@@ -44,6 +45,7 @@ from fedskew.algorithms.base import (
     model_arrays,
 )
 from fedskew.algorithms.fedper import FedPer
+from fedskew.algorithms.helpers import no_global_model
 from fedskew.errors import ConfigError
 
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -68,8 +70,7 @@ class LGFedAvg(FedPer):
 
     personal_what: ClassVar[str] = "representation"
     heterogeneous_models: ClassVar[bool] = True  # only the global layers are averaged
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
+    vectorizable = True  # plain cross-entropy (FedPer is not)
 
     class Params(HyperParams):
         global_layers: int | None = Field(
@@ -115,7 +116,7 @@ class LGFedAvg(FedPer):
 
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError(f"{self.name} has no global model to evaluate; set eval.protocol=personalized")
+            raise no_global_model(self.name)
         return {**payload.model_state(), **state["weights"]}
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:

@@ -26,19 +26,18 @@ from fedskew.algorithms.base import (
     Upload,
     clone_state,
 )
-from fedskew.errors import ConfigError
+from fedskew.algorithms.helpers import no_global_model
 
 
 @ALGORITHMS.register("local")
 class Local(Algorithm):
     """Local: each client trains a persistent personal model; no communication (0 bytes)."""
 
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
+    mean_aggregation = False  # nothing is uploaded
+
     personalized_eval: ClassVar[bool] = True
     requires_personalized_eval: ClassVar[bool] = True
     heterogeneous_models: ClassVar[bool] = True
-    server_learns: ClassVar[bool] = False  # nothing is uploaded: the server state is never changed
 
     def broadcast(self, server: State, info: RoundInfo) -> Payload:
         return Payload()  # nothing is sent
@@ -52,9 +51,7 @@ class Local(Algorithm):
 
     def model_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
         if state is None:
-            raise ConfigError(
-                "algorithm 'local' has no global model to evaluate; set eval.protocol=personalized"
-            )
+            raise no_global_model("algorithm 'local'")
         return state["weights"]
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:

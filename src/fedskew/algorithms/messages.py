@@ -1,4 +1,4 @@
-"""Messages between server and clients (contract v3): a :class:`Payload` and a client's :class:`Upload`.
+"""Messages between server and clients (contract v4): a :class:`Payload` and a client's :class:`Upload`.
 
 A payload has ``arrays`` (tensors on the wire: counted in ``bytes_up/down`` and ``params_up/down``),
 ``config`` (small values the receiver needs: counted, 8 bytes each) and ``metrics`` (diagnostics: logged,

@@ -42,6 +42,7 @@ from fedskew.algorithms.base import (
     clone_state,
     load_state,
 )
+from fedskew.algorithms.helpers import frozen
 from fedskew.models.base import FedModel
 
 
@@ -53,18 +54,11 @@ def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float
     return F.cross_entropy(sims / tau, target)
 
 
-def _frozen(model: nn.Module) -> nn.Module:
-    model.eval()  # frozen references: running BatchNorm statistics, no dropout
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
 @ALGORITHMS.register("moon")
 class Moon(Algorithm):
     """MOON (Li et al. 2021): model-contrastive loss between local, global and previous representations."""
 
-    mean_aggregation = True
+    vectorizable = False
 
     class Params(HyperParams):
         mu: float = Field(
@@ -91,7 +85,8 @@ class Moon(Algorithm):
         key = self.ctx.arch_key(cid)
         if key not in self.reference_nets:
             build = self.ctx.build_model
-            self.reference_nets[key] = (_frozen(build(cid)), _frozen(build(cid)))
+            # frozen references: running BatchNorm statistics, no dropout
+            self.reference_nets[key] = (frozen(build(cid)), frozen(build(cid)))
         return self.reference_nets[key]
 
     def start_local(self, step: LocalStep) -> LocalPlan:

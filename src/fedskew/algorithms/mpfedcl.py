@@ -51,6 +51,7 @@ from fedskew.algorithms.base import (
     Upload,
     clone_state,
     embedding_dim,
+    fedavg_mean,
     model_arrays,
     server_arrays,
 )
@@ -177,6 +178,9 @@ class MPFedCL(Algorithm):
     """MP-FedCL (Qiao et al. 2023): k-means multi-prototypes, a global prototype pool and a supervised
     contrastive prototype loss; nearest-prototype inference."""
 
+    mean_aggregation = False  # prototypes per class
+    vectorizable = False
+
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
@@ -251,7 +255,7 @@ class MPFedCL(Algorithm):
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """FedAvg on the weights (Alg. 1 line 9); the pool keeps every uploaded centroid (Eq. 8), replacing
         the previous ones of the uploading clients. Metrics: the pool's size and coverage."""
-        server = super().aggregate(server, uploads, info).state
+        server = {**server, "weights": fedavg_mean(uploads)}
         dev = server["protos"].device
         uploaded = torch.tensor([u.cid for u in uploads], dtype=torch.long, device=dev)
         keep = ~torch.isin(server["owners"], uploaded)
@@ -286,7 +290,7 @@ class MPFedCL(Algorithm):
     def _pool(self, payload: Payload, device: torch.device) -> tuple[Tensor, Tensor] | None:
         protos = payload.arrays["pool_protos"].to(device)
         if protos.shape[0] == 0:
-            return None  # round 1: empty pool, L_R = 0 (docs/decisions.md, "MP-FedCL: round-1 pool")
+            return None  # round 1: empty pool, L_R = 0 (docs/methods/mpfedcl.md, "MP-FedCL: round-1 pool")
         classes = payload.arrays["pool_classes"].to(device)
         owners = payload.arrays["pool_owners"].to(device)
         return pad_pool(protos, classes, owners, self.ctx.num_classes, self.p.k, self.p.padding)
@@ -393,7 +397,8 @@ class SPFedCL(MPFedCL):
 @ALGORITHMS.register("dpfedcl")
 class DPFedCL(MPFedCL):
     """DP-FedCL (MP-FedCL §V): DBSCAN per class instead of k-means, so the prototype count varies; trained
-    with the pooled SupCon form by default (docs/decisions.md, "MP-FedCL: DP-FedCL clustering and loss")."""
+    with the pooled SupCon form by default (docs/methods/mpfedcl.md, "MP-FedCL: DP-FedCL clustering and
+    loss")."""
 
     class Params(MPFedCL.Params):
         clustering: Literal["dbscan"] = Field("dbscan", description="DBSCAN per class (paper §V)")

@@ -19,16 +19,18 @@ and returns the surrogate ⟨g, w⟩ (plus the detached f̃_i(w̃; D')), so that
 (forward-over-reverse, ``hvp: exact``, the quantity Algorithm 1 states) or by the paper's finite difference
 (``hvp: finite_difference`` with δ).
 
-Personalized model (§5: "one step of local stochastic gradient descent" at test time): evaluation has no
-data, so in its round each client computes d_i = −α ∇f̃_i(w_k; D) on one mini-batch D of its training data
-at the received global model w_k and keeps d_i in its state; it is evaluated with w + d_i for the
-current global w. The gradient is therefore one participation old (it is exact when w = w_k); a client never
-trained is evaluated with w. ``adapt: full`` takes the gradient over all its training data instead.
+Personalized model (§5: "one step of local stochastic gradient descent" at test time): the personalized
+protocol evaluates each client with w − α ∇f̃_i(w; D), the model being evaluated w after one step on a
+mini-batch D of the client's training data (:meth:`PerFedAvg.adapt_for_eval`; nothing kept); a client
+without training data is evaluated with w. ``adapt: full`` takes the gradient over all its training data.
+``eval_adapt: stale`` keeps the former procedure: the client computes d_i = −α ∇f̃_i(w_k; D) at the model
+w_k it received in its round, keeps it in its state, and is evaluated with w + d_i (the gradient one
+participation old).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -48,14 +50,10 @@ from fedskew.algorithms.base import (
     LocalResult,
     LocalStep,
     Payload,
-    RoundInfo,
-    ServerUpdate,
     State,
-    Upload,
+    count_weights,
     model_arrays,
-    sample_weights,
     uniform_weights,
-    weighted_average,
 )
 from fedskew.algorithms.scaffold import full_gradient
 
@@ -108,9 +106,6 @@ def meta_gradient(
 class PerFedAvg(Algorithm):
     """Per-FedAvg (Fallah et al. 2020): FedAvg on the MAML objective; personal = one α-step of adaptation."""
 
-    mean_aggregation = True
-    vectorizable = True
-    loss_reads = frozenset()  # the model and the batch
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
@@ -140,6 +135,12 @@ class PerFedAvg(Algorithm):
             description="test-time step: one mini-batch of client.batch_size (§5, one stochastic gradient "
             "step) or the client's whole training set",
         )
+        eval_adapt: Literal["fresh", "stale"] = Field(
+            "fresh",
+            description="fresh: the test-time step is taken at evaluation from the model being evaluated "
+            "(§5); stale: in the client's round at the model it received, added to the current model later "
+            "(fedskew before contract v4)",
+        )
 
     p: Params
 
@@ -165,29 +166,40 @@ class PerFedAvg(Algorithm):
         surrogate = sum(terms[1:], terms[0])
         return surrogate - surrogate.detach() + value.detach()
 
+    def test_step(self, step: LocalStep, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """d_i = −α ∇f̃_i(weights; D) on a batch D of the client's training data (``adapt: full``: all of it)
+        drawn from the (round, client) stream."""
+        client, gen = step.client, step.info.generator(_ADAPT_KEY)
+        idx = torch.randperm(client.num_samples, generator=gen).to(client.x.device)
+        if self.p.adapt == "batch":
+            idx = idx[: self.ctx.client.batch_size]
+        view = ClientView(client.cid, client.x[idx], client.y[idx], client.class_counts)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        g = full_gradient(step.model, weights, view, len(idx), seed)
+        return {n: -self.p.alpha * v for n, v in g.items()}
+
+    def adapt_for_eval(self, step: LocalStep) -> Mapping[str, Tensor] | None:
+        """§5: w + d_i with d_i the test-time step at the model being evaluated w."""
+        if self.p.eval_adapt == "stale" or step.client.num_samples == 0:
+            return None
+        w = step.model.state_dict()
+        return {n: w[n] + d for n, d in self.test_step(step, w).items()}
+
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
-        """Upload w_{k+1,τ}; keep the test-time step d_i = −α∇f̃_i(w_k) taken at the received model."""
+        """Upload w_{k+1,τ}; under ``eval_adapt: stale`` keep the test-time step d_i = −α∇f̃_i(w_k) taken at
+        the received model."""
         state = dict(step.state)
-        client = step.client
-        if client.num_samples > 0:
-            gen = step.info.generator(_ADAPT_KEY)
-            idx = torch.randperm(client.num_samples, generator=gen).to(client.x.device)
-            if self.p.adapt == "batch":
-                idx = idx[: self.ctx.client.batch_size]
-            view = ClientView(client.cid, client.x[idx], client.y[idx], client.class_counts)
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-            g = full_gradient(step.model, step.payload.model_state(), view, len(idx), seed)
-            state["adapt"] = {n: -self.p.alpha * v for n, v in g.items()}
+        if self.p.eval_adapt == "stale" and step.client.num_samples > 0:
+            state["adapt"] = self.test_step(step, step.payload.model_state())
         return LocalOutput(Payload(arrays=model_arrays(step.model.state_dict())), state)
 
     def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:
-        """w + d_i (w alone for the global protocol and for a client never trained)."""
+        """w (adapted by :meth:`adapt_for_eval`); under ``stale`` w + d_i (w alone for the global protocol
+        and for a client never trained)."""
         weights = payload.model_state()
         if state is None or "adapt" not in state:
             return weights
         return {**weights, **{n: weights[n] + d for n, d in state["adapt"].items()}}
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        weights = uniform_weights(uploads) if self.p.weights == "uniform" else sample_weights(uploads)
-        mean = weighted_average([u.payload.model_state() for u in uploads], weights)
-        return ServerUpdate({**server, "weights": mean})
+    def mean_weights(self, counts: Sequence[int]) -> Tensor:
+        return uniform_weights(counts) if self.p.weights == "uniform" else count_weights(counts)

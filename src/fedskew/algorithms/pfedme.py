@@ -27,7 +27,7 @@ The paper averages uniformly over S (``weights: uniform``); its code by training
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
@@ -45,15 +45,13 @@ from fedskew.algorithms.base import (
     LocalOutput,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
-    RoundInfo,
     ServerUpdate,
     State,
-    Upload,
+    count_weights,
     model_arrays,
-    sample_weights,
     uniform_weights,
-    weighted_average,
 )
 
 #: scratch prefix of the inner solver's iterate θ (one tensor per parameter)
@@ -89,9 +87,6 @@ def inner_solve(
 class PFedMe(Algorithm):
     """pFedMe (Dinh et al. 2020): local steps on Moreau envelopes; personal models θ̂ from an inner solver."""
 
-    mean_aggregation = True
-    vectorizable = True
-    loss_reads = frozenset()  # the model, the batch and the scratch θ
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
@@ -166,10 +161,12 @@ class PFedMe(Algorithm):
         return {**payload.model_state(), **state["personal"]}
 
     # ---------------------------------------------------------------- server
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+    def mean_weights(self, counts: Sequence[int]) -> Tensor:
+        return uniform_weights(counts) if self.p.weights == "uniform" else count_weights(counts)
+
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
         """w^{t+1} = (1 − β) w^t + β mean_S(w_{i,R}) on the parameters; buffers: the mean."""
-        weights = uniform_weights(uploads) if self.p.weights == "uniform" else sample_weights(uploads)
-        mean = weighted_average([u.payload.model_state() for u in uploads], weights)
         old, beta = server["weights"], self.p.beta
-        new = {k: (1 - beta) * old[k] + beta * v if k in self.params else v for k, v in mean.items()}
+        avg = mean.model_state()
+        new = {k: (1 - beta) * old[k] + beta * v if k in self.params else v for k, v in avg.items()}
         return ServerUpdate({**server, "weights": new})

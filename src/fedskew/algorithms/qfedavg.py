@@ -44,6 +44,7 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.helpers import eval_mode
 
 #: upload prefix of Δ_k (one array per trainable parameter)
 DELTA_PREFIX = "delta."
@@ -59,14 +60,10 @@ def dataset_loss(model: nn.Module, client: ClientView, batch_size: int) -> Tenso
     n = client.num_samples
     if n == 0:
         return total
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for start in range(0, n, batch_size):
             logits = model(client.x[start : start + batch_size])
             total += F.cross_entropy(logits, client.y[start : start + batch_size], reduction="sum").double()
-    finally:
-        model.train(was_training)
     return total / n
 
 
@@ -74,8 +71,7 @@ def dataset_loss(model: nn.Module, client: ClientView, batch_size: int) -> Tenso
 class QFedAvg(Algorithm):
     """q-FedAvg (Li et al. 2020): clients with larger losses get larger weight, via Δ_k and h_k."""
 
-    vectorizable = True
-    loss_reads = frozenset()  # plain cross-entropy
+    mean_aggregation = False  # q-weighted Lipschitz steps
 
     class Params(HyperParams):
         q: float = Field(

@@ -19,7 +19,7 @@ client); a client without training data keeps its c_i.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -37,16 +37,16 @@ from fedskew.algorithms.base import (
     LocalOutput,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
     RoundInfo,
     ServerUpdate,
     State,
-    Upload,
     model_arrays,
     uniform_weights,
-    weighted_average,
 )
 from fedskew.algorithms.fednova import normalizer
+from fedskew.algorithms.helpers import train_mode
 
 #: payload prefix of control variates (server ``c`` downstream, ``Δc_i`` upstream)
 CONTROL_PREFIX = "control."
@@ -64,32 +64,23 @@ def full_gradient(
     params = {n: weights[n].detach().clone().requires_grad_(True) for n, _ in model.named_parameters()}
     buffers = {n: weights[n].detach().clone() for n, _ in model.named_buffers() if n in weights}
     grads = {n: torch.zeros_like(p) for n, p in params.items()}
-    n, was_training = client.num_samples, model.training
+    n = client.num_samples
     devices = [client.x.device] if client.x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), train_mode(model):
         torch.manual_seed(seed)
-        model.train()
-        try:
-            for start in range(0, n, batch_size):
-                out = functional_call(model, {**params, **buffers}, (client.x[start : start + batch_size],))
-                loss = F.cross_entropy(out, client.y[start : start + batch_size], reduction="sum") / n
-                parts = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-                for name, g in zip(params, parts, strict=True):
-                    if g is not None:
-                        grads[name] += g
-        finally:
-            model.train(was_training)
+        for start in range(0, n, batch_size):
+            out = functional_call(model, {**params, **buffers}, (client.x[start : start + batch_size],))
+            loss = F.cross_entropy(out, client.y[start : start + batch_size], reduction="sum") / n
+            parts = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for name, g in zip(params, parts, strict=True):
+                if g is not None:
+                    grads[name] += g
     return grads
 
 
 @ALGORITHMS.register("scaffold")
 class Scaffold(Algorithm):
     """SCAFFOLD (Karimireddy et al. 2020, option II or I): control variates correct client drift."""
-
-    mean_aggregation = True
-
-    vectorizable = True
-    loss_reads = frozenset()  # the loss reads only the correction made in init_scratch
 
     class Params(HyperParams):
         server_lr: float = Field(
@@ -163,15 +154,15 @@ class Scaffold(Algorithm):
         wd = self.ctx.client.weight_decay
         return {n: g + wd * x[n] for n, g in grads.items()} if wd else grads
 
-    def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+    def mean_weights(self, counts: Sequence[int]) -> Tensor:
+        return uniform_weights(counts)  # the paper averages uniformly over the sampled set S
+
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
         x = server["weights"]
-        n = len(uploads)
-        uniform = uniform_weights(uploads)  # the paper averages uniformly over the sampled set S
-        mean_y = weighted_average([u.payload.model_state() for u in uploads], uniform)
-        mean_dc = weighted_average([u.payload.prefixed(CONTROL_PREFIX) for u in uploads], uniform)
+        mean_y, mean_dc = mean.model_state(), mean.prefixed(CONTROL_PREFIX)
         new = dict(mean_y)  # buffers: the plain mean over participants
         controls = {}
         for name, c in server["c"].items():
             new[name] = x[name] + self.p.server_lr * (mean_y[name] - x[name])  # x + η_g mean Δy
-            controls[name] = c + (n / self.ctx.num_clients) * mean_dc[name]
+            controls[name] = c + (info.count / self.ctx.num_clients) * mean_dc[name]
         return ServerUpdate({**server, "weights": new, "c": controls})

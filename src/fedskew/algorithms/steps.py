@@ -1,4 +1,4 @@
-"""The values hooks receive and return (contract v3): one :class:`LocalStep` per client and round for the
+"""The values hooks receive and return (contract v4): one :class:`LocalStep` per client and round for the
 client hooks, a :class:`ServerUpdate` from ``aggregate``, and the small records around them.
 
 A client hook never receives more than two arguments: the step (model, payload, state, client, round, the
@@ -154,7 +154,7 @@ class Scratch(Mapping[str, Tensor]):
 
 @dataclass(frozen=True)
 class LocalStep:
-    """One client's local round as every client hook sees it (contract v3).
+    """One client's local round as every client hook sees it (contract v4).
 
     ``model`` holds :meth:`Algorithm.model_weights` when ``start_local`` runs (read it, do not change it),
     those weights updated with the plan's ``start_weights`` from ``init_scratch`` on, and the trained weights

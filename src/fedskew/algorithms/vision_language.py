@@ -27,6 +27,7 @@ from fedskew.algorithms.base import (
     ServerUpdate,
     State,
     Upload,
+    fedavg_mean,
     model_arrays,
 )
 from fedskew.errors import ConfigError
@@ -49,6 +50,9 @@ def vl_assets(ctx_assets: Mapping[str, Any], method: str, *names: str) -> list[A
 class VisionLanguageMethod(Algorithm):
     """Base of the vision-language methods: a head over backbone features, only its ``trained`` parameters
     trained and communicated."""
+
+    mean_aggregation = False  # FedAvg of the trained part, kept as payload arrays: its own aggregate
+    vectorizable = False
 
     #: the method needs ``data.vision_language`` (its config is checked for it)
     vision_language: ClassVar[bool] = True
@@ -81,15 +85,13 @@ class VisionLanguageMethod(Algorithm):
         return LocalOutput(Payload(arrays=model_arrays(step.model.state_dict(), self.trained)), step.state)
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
-        new = super().aggregate({}, uploads, info).state["weights"]
+        new = fedavg_mean(uploads)
         return ServerUpdate({**server, "weights": model_arrays(new)})
 
 
 class UntrainedMethod(VisionLanguageMethod):
     """A method with no federated training (zero-shot, the untrained cache): no local steps, nothing sent;
     the head keeps its construction-time values."""
-
-    server_learns: ClassVar[bool] = False  # nothing is uploaded: the (empty) server state never changes
 
     def init_server(self, model: nn.Module) -> State:
         return {}

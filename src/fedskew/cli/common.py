@@ -41,13 +41,16 @@ def _main(
 
 
 def registries() -> dict[str, Any]:
-    from fedskew import algorithms, data, models  # noqa: F401  (import registers)
+    from fedskew.plugins import prepare
+
+    prepare()  # the built-ins, then the installed plugins' entry points (fedskew.plugins)
     from fedskew.algorithms.base import ALGORITHMS
     from fedskew.data.base import DATASETS, PARTITIONERS
     from fedskew.data.generators import GENERATORS
     from fedskew.engine.modes import EXECUTORS
     from fedskew.models.backbones import BACKBONES
     from fedskew.models.base import MODELS
+    from fedskew.runtimes import RUNTIMES
 
     return {
         "algorithms": ALGORITHMS,
@@ -57,6 +60,7 @@ def registries() -> dict[str, Any]:
         "partitions": PARTITIONERS,
         "backbones": BACKBONES,
         "generators": GENERATORS,
+        "runtimes": RUNTIMES,
     }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from fedskew.cli.common import app, console, run_with_progress
-from fedskew.threads import apply_policy, check_threads_option, engine_processes
+from fedskew.threads import apply_policy, check_threads_option
 
 THREADS_HELP = (
     "torch threads of the run's process (engine.threads); default 0 = auto: the cores free now divided by "
@@ -31,21 +31,23 @@ def run(
     threads: int | None = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Run one experiment and write config.yaml, metrics.jsonl, summary.json and a checkpoint."""
-    from fedskew.experiment.config import load_config
+    from fedskew.experiment.config import load_config  # loads the config's plugins before checking it
+    from fedskew.runtimes import RUNTIMES
 
     check_threads_option(threads)
     pinned = [f"engine.threads={threads}"] if threads is not None else []  # as --set engine.threads=N
     cfg = load_config(config, [*set_, *([f"rounds={rounds}"] if rounds is not None else []), *pinned])
-    apply_policy(cfg.engine.threads, engine_processes(cfg.engine))  # before the run's first torch operation
+    runtime = RUNTIMES.get(cfg.engine.runtime)
+    apply_policy(cfg.engine.threads, runtime.processes(cfg.engine))  # before the run's first torch operation
     out = out or Path("runs") / config.stem
-    if cfg.engine.runtime == "embedded":
+    if runtime.in_process:  # rounds reported here: a live progress bar
         summary = run_with_progress(cfg, out, resume, force, cfg.algorithm.name)
     else:
-        from fedskew.flower.launch import run_flower
-
         console.print(f"{cfg.algorithm.name} on {cfg.engine.runtime} with {cfg.engine.nodes} nodes ...")
-        console.print(f"Flower's own log: {out / 'flower.log'}", markup=False, highlight=False)
-        summary = run_flower(cfg, out, resume=resume, force=force)
+        if runtime.log is not None:
+            label, file = runtime.log
+            console.print(f"{label}: {out / file}", markup=False, highlight=False)
+        summary = runtime.start(cfg, out, resume=resume, force=force)
     from fedskew.experiment.failure import check_finished, final_line
 
     console.print(final_line(summary, out), markup=False, highlight=False)

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.algorithms.base import Algorithm, Payload, RoundInfo, State, load_state
+from fedskew.algorithms.base import (
+    Algorithm,
+    ClientView,
+    ContractError,
+    LocalStep,
+    Payload,
+    RoundInfo,
+    State,
+    load_state,
+)
 from fedskew.data.federated import FederatedData
 from fedskew.engine.device import precision_context
-from fedskew.engine.runtime import ModelCache
+from fedskew.engine.runtime import ClientData, ModelCache
 from fedskew.engine.types import tree_to
+from fedskew.seeding import derive_seed, seed_torch
 
 
 class RoundEvaluator(Protocol):
@@ -122,6 +133,69 @@ def client_summary(
     return summarize(per_client, mean_loss, heads, sizes)
 
 
+class LazyClientView(ClientView):
+    """A client's training data read on first access: an evaluation-time adaptation hook that does not look
+    at the data (the default :meth:`~fedskew.algorithms.base.Algorithm.adapt_for_eval`) costs no copy of
+    it."""
+
+    def __init__(self, cid: int, read: Callable[[], ClientView]) -> None:
+        self.cid, self._read = cid, read  # ClientView's other fields: properties
+        self._view: ClientView | None = None
+
+    def _data(self) -> ClientView:
+        if self._view is None:
+            self._view = self._read()
+        return self._view
+
+    @property
+    def x(self) -> Tensor:  # type: ignore[override]
+        return self._data().x
+
+    @property
+    def y(self) -> Tensor:  # type: ignore[override]
+        return self._data().y
+
+    @property
+    def class_counts(self) -> Tensor:  # type: ignore[override]
+        return self._data().class_counts
+
+
+#: seed key of the global RNG stream an evaluation-time adaptation runs under (with round and client)
+ADAPT_KEY = 0xE7A1
+
+
+def load_eval_weights(
+    algorithm: Algorithm,
+    model: nn.Module,
+    payload: Payload,
+    state: State | None,
+    info: RoundInfo,
+    read_client: Callable[[], ClientView] | None = None,
+) -> None:
+    """Load into ``model`` what ``info.cid`` is scored with: :meth:`Algorithm.eval_weights`, then, for a
+    client whose training data ``read_client`` gives, what :meth:`Algorithm.adapt_for_eval` returns (with
+    gradients enabled, the global RNG seeded from ``(seed, round, cid)`` inside a forked stream, so the
+    result is the same in every runtime and engine mode and the run's streams are untouched). The one path
+    of the embedded evaluator and the Flower nodes; nothing here is committed."""
+    load_state(model, algorithm.eval_weights(payload, state))
+    if read_client is None or state is None or info.cid is None:
+        return
+    view = LazyClientView(info.cid, read_client)
+    step = LocalStep(model=model, payload=payload, state=state, client=view, info=info)
+    device = next(iter(model.state_dict().values())).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+        seed_torch(derive_seed(info.seed, info.round, info.cid, ADAPT_KEY), device)
+        adapted = algorithm.adapt_for_eval(step)
+    if adapted is None:
+        return
+    unknown = sorted(set(adapted) - set(model.state_dict()))
+    if unknown:
+        raise ContractError(
+            f"{algorithm.name}.adapt_for_eval returned weights the model lacks: {unknown[:3]}"
+        )
+    load_state(model, adapted)
+
+
 def segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """Sum of ``values`` within each segment (client), in float64, vectorized with ``index_add_``."""
     sums = torch.zeros(num_segments, dtype=torch.float64, device=values.device)
@@ -171,7 +245,11 @@ class EvalData:
 
 
 class Evaluator:
-    """Metrics of a (server state, client states) pair under ``global`` or ``personalized`` protocol."""
+    """Metrics of a (server state, client states) pair under ``global`` or ``personalized`` protocol.
+
+    ``clients``: the clients' training data, which evaluation-time adaptation reads
+    (:meth:`~fedskew.algorithms.base.Algorithm.adapt_for_eval`; ``None``: no adaptation, as a server that
+    holds no training sample)."""
 
     def __init__(
         self,
@@ -182,24 +260,40 @@ class Evaluator:
         batch_size: int,
         seed: int,
         precision: str = "fp32",
+        clients: ClientData | None = None,
     ) -> None:
         self.algorithm, self.models, self.data = algorithm, models, data
         self.protocol, self.batch_size, self.seed = protocol, batch_size, seed
-        self.precision = precision
+        self.precision, self.clients = precision, clients
 
     def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
         """The record of ``server`` and the clients' states (``state_of(cid)``, CPU) after ``round_idx``."""
         d, per_client = self.data, self.protocol == "personalized"
-        scorer = _Scorer(self, server, state_of, round_idx)
-        out = scorer.split(d.x_test, d.y_test, d.test_idx if per_client else None, d.to_float)
+        splits = [_Split(d.x_test, d.y_test, d.test_idx if per_client else None, d.to_float)]
         if d.y_val.numel():  # validation (for best-round selection, never test): already normalised
             if per_client:
-                val = scorer.split(d.x_val, d.y_val, d.val_idx, _identity)
+                splits.append(_Split(d.x_val, d.y_val, d.val_idx, _identity))
             else:
                 idx = torch.cat(d.val_idx)
-                val = scorer.split(d.x_val[idx], d.y_val[idx], None, _identity)
+                splits.append(_Split(d.x_val[idx], d.y_val[idx], None, _identity))
+        scorer = _Scorer(self, server, state_of, round_idx)
+        if per_client and self.algorithm.personalized_eval:
+            scorer.personal = scorer.personal_parts(splits)
+        out = scorer.split(splits[0], 0)
+        if len(splits) > 1:
+            val = scorer.split(splits[1], 1)
             out.update({f"val_{k}": val[k] for k in ("accuracy", "loss")})
         return out
+
+
+@dataclass
+class _Split:
+    """Samples to score: ``idx`` per client (``None``: the global protocol on all of ``x``)."""
+
+    x: Tensor
+    y: Tensor
+    idx: list[Tensor] | None
+    to_float: Callable[[Tensor], Tensor]
 
 
 @dataclass
@@ -208,22 +302,49 @@ class _Scorer:
     server: State
     state_of: Callable[[int], State]
     round_idx: int
+    #: per split, the scores of each client with samples in it (personal models)
+    personal: list[list[HeadScores]] | None = None
+
+    def load(self, cid: int | None, device: torch.device) -> tuple[nn.Module, Payload, State | None]:
+        """``cid``'s model with the weights it is scored with (adapted on its data where the method adapts),
+        its payload and state (``cid=None``: the global model)."""
+        alg, ev = self.ev.algorithm, self.ev
+        info = RoundInfo(self.round_idx, cid, ev.seed)
+        payload = alg.broadcast(self.server, info)
+        state = None if cid is None else tree_to(self.state_of(cid), device)
+        model = ev.models.model_for(cid)
+        clients = ev.clients
+        read = None if clients is None or cid is None else partial(clients.view, cid)
+        load_eval_weights(alg, model, payload, state, info, read)
+        return model, payload, state
 
     def score(
         self, cid: int | None, x: Tensor, y: Tensor, to_float: Callable[[Tensor], Tensor]
     ) -> HeadScores:
-        alg = self.ev.algorithm
-        payload = alg.broadcast(self.server, RoundInfo(self.round_idx, cid, self.ev.seed))
-        device = x.device
-        state = None if cid is None else tree_to(self.state_of(cid), device)
-        model = self.ev.models.model_for(cid)
-        load_state(model, alg.eval_weights(payload, state))
-        return score(alg, model, payload, state, x, y, self.ev.batch_size, to_float, self.ev.precision)
+        model, payload, state = self.load(cid, x.device)
+        ev = self.ev
+        return score(ev.algorithm, model, payload, state, x, y, ev.batch_size, to_float, ev.precision)
 
-    def split(
-        self, x: Tensor, y: Tensor, client_idx: list[Tensor] | None, to_float: Callable[[Tensor], Tensor]
-    ) -> dict[str, Any]:
-        """``client_idx=None``: the global protocol on ``(x, y)``; else per-client subsets of ``x``."""
+    def personal_parts(self, splits: list[_Split]) -> list[list[HeadScores]]:
+        """Each client's own model on its samples of every split, its weights loaded (and adapted) once for
+        all of them; a client without samples in any split is not scored (nor adapted)."""
+        ev = self.ev
+        out: list[list[HeadScores]] = [[] for _ in splits]
+        client_idx = [s.idx for s in splits]
+        for cid in range(len(client_idx[0] or [])):
+            held = [k for k, idx in enumerate(client_idx) if idx is not None and len(idx[cid])]
+            if not held:
+                continue
+            model, payload, state = self.load(cid, splits[0].x.device)
+            for k in held:
+                s, idx = splits[k], client_idx[k][cid]  # type: ignore[index]
+                args = (s.x[idx], s.y[idx], ev.batch_size, s.to_float, ev.precision)
+                out[k].append(score(ev.algorithm, model, payload, state, *args))
+        return out
+
+    def split(self, sp: _Split, k: int) -> dict[str, Any]:
+        """The record of split ``k``: the global protocol when ``sp.idx`` is None, else per client."""
+        x, y, client_idx, to_float = sp.x, sp.y, sp.idx, sp.to_float
         if client_idx is None:
             s = self.score(None, x, y, to_float)
             heads = list(s.correct)
@@ -236,10 +357,8 @@ class _Scorer:
             zero = torch.zeros(n, dtype=torch.float64)
             return client_summary({"logits": zero}, zero, sizes.cpu(), ["logits"])
         seg = torch.repeat_interleave(torch.arange(n, device=x.device), sizes)
-        if self.ev.algorithm.personalized_eval:  # a client without samples adds none (and is not scored)
-            parts = [
-                self.score(cid, x[idx], y[idx], to_float) for cid, idx in enumerate(client_idx) if len(idx)
-            ]
+        if self.personal is not None:  # a client without samples adds none (and is not scored)
+            parts = self.personal[k]
             correct = {h: torch.cat([p.correct[h] for p in parts]) for h in parts[0].correct}
             loss = torch.cat([p.loss for p in parts])
         else:  # one shared model: score each distinct test sample once, then gather per client

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from fedskew.algorithms.base import Algorithm, ContractError, RoundInfo
 from fedskew.engine.client import train_client
-from fedskew.engine.folding import FoldedRound, Folder, MeanFold, finite_mean
+from fedskew.engine.folding import FoldedRound, Folder, MeanFold, finite_mean, plan_round
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.engine.vectorized import NotVectorizable, train_vectorized, unsupported_reason
@@ -153,8 +153,8 @@ class Vectorized:
 
 
 def plan_fold(rt: ClientRuntime, job: RoundJob) -> MeanFold | None:
-    """The round's FedAvg weights from the sampled clients' sample counts (:mod:`fedskew.engine.folding`)."""
-    return MeanFold.plan(job.cids, [rt.data.size(c) for c in job.cids])
+    """The round's mean weights from the sampled clients' sample counts (:mod:`fedskew.engine.folding`)."""
+    return plan_round(rt.algorithm, job.cids, [rt.data.size(c) for c in job.cids])
 
 
 def train_folding(

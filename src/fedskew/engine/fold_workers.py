@@ -1,4 +1,5 @@
-"""FedAvg's mean folded inside the worker processes (:mod:`fedskew.engine.folding`), bit for bit.
+"""A mean-aggregation method's mean folded inside the worker processes (:mod:`fedskew.engine.folding`),
+bit for bit.
 
 The pool's workers share one running sum (an :class:`~fedskew.engine.arena.Arena` made before the fork) and
 three counters: the next client to train, the next upload to fold (the *turn*) and whether the fold was

@@ -1,10 +1,12 @@
-"""FedAvg's mean folded as uploads arrive, bit for bit the mean of the held uploads.
+"""A mean-aggregation method's mean folded as uploads arrive, bit for bit the mean of the held uploads.
 
-FedAvg's server step (McMahan et al. 2017, Alg. 1) is ``w ← Σ_k (n_k / n) w_k`` over the round's uploads.
-:func:`~fedskew.algorithms.base.weighted_average` computes it over the held list, in sampling order:
-``acc = w_0 · s_0``, then ``acc += w_k · s_k`` for each later upload. The weights ``n_k / n`` are known
-before any client trains (every sampled client's sample count), so the same sum can be folded one upload
-at a time, in the same order, with the same operations: the result is the same bits, and no upload is held.
+A method that declares ``mean_aggregation`` aggregates by ``Σ_k w_k u_k`` over the round's uploads' arrays,
+then its ``server_step`` (FedAvg, McMahan et al. 2017, Alg. 1: ``w_k = n_k / n`` and the mean is the new
+model). :func:`~fedskew.algorithms.base.weighted_average` computes the mean over the held list, in sampling
+order: ``acc = w_0 · s_0``, then ``acc += w_k · s_k`` for each later upload. The weights are
+``Algorithm.mean_weights`` of the sample counts, known before any client trains, so the same sum can be
+folded one upload at a time, in the same order, with the same operations: the result is the same bits, and
+no upload is held.
 
 What it saves (``docs/performance.md``): in-process, the round's uploads are never all alive at once (each
 is folded while in cache, then freed); across worker processes (:mod:`fedskew.engine.workers`), the workers
@@ -15,8 +17,9 @@ The planned weights assume every sampled client is accepted. A rejected or dropp
 the fold is abandoned and the executor trains the round again unfolded (training depends only on
 ``(seed, round, client)``, payload and state, so the rerun gives the same uploads).
 
-The engine folds only for methods whose aggregation is FedAvg's as written in the base class
-(:func:`folds_uploads`); ``engine.fold_uploads=false`` turns it off.
+The engine folds for every method that declares ``mean_aggregation`` (:func:`folds_uploads`): FedAvg, FedAvgM,
+FedOpt, SCAFFOLD, FedNova, ...; a secured variant whose robust rule, attack or DP replaces the mean does not
+declare it. ``engine.fold_uploads=false`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,33 +33,42 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from fedskew.algorithms.base import Algorithm, Payload, count_weights
+from fedskew.algorithms.base import Algorithm, Payload, count_weights, receipt
 from fedskew.engine.types import ClientOutcome, RoundJob
 
 
 def folds_uploads(algorithm: Algorithm) -> bool:
-    """Whether ``algorithm`` aggregates with FedAvg's sample-weighted mean and nothing else: it keeps the base
-    class's ``aggregate`` and ``aggregate_mean`` (a secured variant, a server optimizer or any method of its
-    own overrides one of them)."""
-    cls = type(algorithm)
-    return cls.aggregate is Algorithm.aggregate and cls.aggregate_mean is Algorithm.aggregate_mean
+    """Whether the engine may compute ``algorithm``'s mean itself: it declares ``mean_aggregation``."""
+    return bool(algorithm.mean_aggregation)
+
+
+def plan_round(algorithm: Algorithm, cids: Sequence[int], sizes: Sequence[int]) -> MeanFold | None:
+    """The round's planned weights for ``algorithm`` from the sampled clients' training-set ``sizes``: the
+    counts its uploads will carry (1 each where it does not disclose them: DP runs)."""
+    counts = list(sizes) if algorithm.discloses_client_statistics else [1] * len(sizes)
+    return MeanFold.plan(cids, counts, algorithm.mean_weights)
 
 
 @dataclass(frozen=True)
 class MeanFold:
-    """A round's planned FedAvg weights ``n_k / n`` (:func:`~fedskew.algorithms.base.count_weights`) per
-    sampled client, with the counts they assume."""
+    """A round's planned weights per sampled client (``Algorithm.mean_weights`` of the counts; FedAvg's
+    ``n_k / n``, :func:`~fedskew.algorithms.base.count_weights`), with the counts they assume."""
 
     weights: dict[int, float]
     counts: dict[int, int]
 
     @classmethod
-    def plan(cls, cids: Sequence[int], counts: Sequence[int]) -> MeanFold | None:
-        """The plan for ``cids`` (sampling order) with these sample counts; ``None`` when a client is sampled
-        twice (its weight would not be one number)."""
+    def plan(
+        cls,
+        cids: Sequence[int],
+        counts: Sequence[int],
+        weigh: Callable[[Sequence[int]], Tensor] = count_weights,
+    ) -> MeanFold | None:
+        """The plan for ``cids`` (sampling order) with these sample counts and weights ``weigh(counts)``;
+        ``None`` when a client is sampled twice (its weight would not be one number)."""
         if len(set(cids)) != len(cids):
             return None
-        w = count_weights(counts).tolist()
+        w = weigh(counts).tolist()
         return cls(dict(zip(cids, w, strict=True)), dict(zip(cids, counts, strict=True)))
 
 
@@ -72,20 +84,18 @@ class FoldedRound:
 
 @runtime_checkable
 class FoldingExecutor(Protocol):
-    """An executor that can fold the uploads of a round into FedAvg's mean."""
+    """An executor that can fold the uploads of a round into the method's mean."""
 
     def train_folded(self, job: RoundJob) -> FoldedRound:
         """Train ``job`` as ``train`` does, folding the uploads (see :class:`FoldedRound`)."""
         ...
 
 
-def receipt(outcome: ClientOutcome) -> ClientOutcome:
+def light_outcome(outcome: ClientOutcome) -> ClientOutcome:
     """``outcome`` with its upload's arrays dropped (counts, config, metrics and traffic kept)."""
     if outcome.upload is None:
         return outcome
-    p = outcome.upload.payload
-    light = dataclasses.replace(outcome.upload, payload=Payload(config=p.config, metrics=p.metrics))
-    return dataclasses.replace(outcome, upload=light)
+    return dataclasses.replace(outcome, upload=receipt(outcome.upload))
 
 
 class Turn(Protocol):
@@ -138,7 +148,8 @@ def fresh_slots(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 class Folder:
-    """FedAvg's running sum over a round's uploads in sampling order (a process may own only some of them).
+    """The weighted running sum of a round's uploads' arrays (by their names), in sampling order (a process
+    may own only some of the uploads).
 
     :meth:`add` takes an upload with its sampling position; it is folded when the :class:`Turn` reaches that
     position, held until then. The first upload is ``w_0 · s_0``, every later one ``acc += w_k · s_k``:
@@ -161,16 +172,16 @@ class Folder:
 
     def add(self, outcome: ClientOutcome, position: int) -> ClientOutcome:
         """Fold (or hold) ``outcome``'s upload, the ``position``-th of the round; returns its
-        :func:`receipt`. A client without an accepted upload, or with another sample count than planned,
+        :func:`light_outcome`. A client without an accepted upload, or with another sample count than planned,
         abandons the fold."""
         up = outcome.upload
         if up is None or up.num_samples != self.fold.counts.get(outcome.cid):
             self.abandon()
             return outcome
         if self.valid:
-            bisect.insort(self.held, (position, outcome.cid, up.payload.model_state()), key=_position)
+            bisect.insort(self.held, (position, outcome.cid, up.payload.arrays), key=_position)
             self.drain()
-        return receipt(outcome)
+        return light_outcome(outcome)
 
     def drain(self) -> None:
         """Fold the held uploads whose turn it is."""

@@ -26,14 +26,16 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from fedskew.algorithms.base import Algorithm, RoundInfo, State
+from fedskew.algorithms.base import Algorithm, ContractError, MeanInfo, Payload, RoundInfo, State
 from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.folding import FoldingExecutor, folds_uploads
 from fedskew.engine.policy import check_rejected
 from fedskew.engine.sampling import Schedule
 from fedskew.engine.states import ClientStates, JobStates
+from fedskew.engine.table_store import TableStore
 from fedskew.engine.types import ClientOutcome, RoundJob, tree_to
+from fedskew.errors import ConfigError
 
 log = logging.getLogger("fedskew.engine")
 
@@ -72,6 +74,24 @@ class RoundPlan:
         return len(self.schedule)
 
 
+def check_no_state_on_self(algorithm: Algorithm, allowed: frozenset[str]) -> None:
+    """Contract rule 2 at run time: a hook that ran in this process added an attribute to the algorithm object
+    that its class does not declare in ``working_buffers`` (a cache that is not a pure function of the context
+    would make a run depend on which process ran which hook). One line, before the round commits."""
+    extra = sorted(set(vars(algorithm)) - allowed)
+    if extra:
+        raise ContractError(
+            f"{algorithm.name}: a hook set {', '.join(extra)} on the algorithm object; declare caches that "
+            "are pure functions of the context in working_buffers, keep per-round values in LocalPlan.derived"
+        )
+
+
+def layout(server: State) -> dict[str, str]:
+    """The server state's top-level keys and the kind of each value (``tensor``, ``dict``, ``ServerTable``,
+    ...): what a checkpoint must match to be resumed by this version of the method."""
+    return {k: type(v).__name__ for k, v in sorted(server.items())}
+
+
 class Simulation:
     """The round transaction of one federation (see the module docstring)."""
 
@@ -84,15 +104,21 @@ class Simulation:
         executor: Executor,
         evaluator: RoundEvaluator,
         states: ClientStates,
+        tables: TableStore | None = None,
     ) -> None:
         self.algorithm, self.server, self.plan = algorithm, server, plan
         self.executor, self.evaluator, self.states = executor, evaluator, states
+        # the server state's per-client tables (spilled beyond a budget; checkpointed as plain data)
+        self.tables = tables if tables is not None else TableStore(device=plan.device)
         self.schedule, self.num_clients, self.rounds = plan.schedule, plan.num_clients, plan.rounds
         self.every, self.seed = plan.every, plan.seed
-        # FedAvg's mean folded as uploads arrive, where the method and the executor allow it
+        # the method's mean folded as uploads arrive, where it declares a mean and the executor can
         self.folding = (
             plan.fold_uploads and folds_uploads(algorithm) and isinstance(executor, FoldingExecutor)
         )
+        self.folded_rounds = 0  # rounds whose mean was folded (the others aggregated the held uploads)
+        # rule 2, "no state on self": what a hook may add to the algorithm object (Algorithm.working_buffers)
+        self.allowed_attributes = frozenset(vars(algorithm)) | algorithm.working_buffers
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.skipped: list[int] = []  # rounds in which every sampled client was rejected
@@ -131,8 +157,11 @@ class Simulation:
         t1 = time.perf_counter()
         info = RoundInfo(round=r, cid=None, seed=self.seed)
         update = None
-        if mean is not None:  # folded (every client accepted): FedAvg's mean, the uploads without arrays
-            update = self.algorithm.aggregate_mean(self.server, mean, uploads, info)
+        if mean is not None:  # folded (every client accepted): the mean, the uploads without arrays
+            weights = self.algorithm.mean_weights([u.num_samples for u in uploads])
+            update = self.algorithm.server_step(
+                self.server, Payload(arrays=mean), MeanInfo(info, uploads, weights)
+            )
         elif uploads:
             update = self.algorithm.aggregate(self.server, uploads, info)
         server = self.server if update is None else update.state
@@ -146,11 +175,13 @@ class Simulation:
             record.update({} if update is None else update.metrics)
             record = self.algorithm.released(record)
         t3 = time.perf_counter()
+        check_no_state_on_self(self.algorithm, self.allowed_attributes)
         # commit (the store first: nothing else has changed if it raises)
         self.states.commit(r, states)
-        self.server, self.round = server, r
+        self.server, self.round = self.tables.commit(r, server), r
         if not uploads:
             self.skipped.append(r)
+        self.folded_rounds += mean is not None
         self.bytes_up += traffic[0]
         self.bytes_down += traffic[1]
         self.times.train += t1 - t0
@@ -205,7 +236,7 @@ class Simulation:
     def state_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,
-            "server": tree_to(self.server, "cpu"),
+            "server": tree_to(self.tables.state_dict(self.server), "cpu"),
             "clients": self.states.state_dict(),
             "history": self.history,
             "bytes_up": self.bytes_up,
@@ -215,8 +246,14 @@ class Simulation:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        server = self.tables.load_state_dict(tree_to(sd["server"], self.plan.device))
+        if layout(server) != layout(self.server):  # a checkpoint of another layout would fail mid-round
+            raise ConfigError(
+                f"the checkpoint's server state is {layout(server)}, {self.algorithm.name} here keeps "
+                f"{layout(self.server)} (written by another version of the method); start a new run"
+            )
         self.round = int(sd["round"])
-        self.server = tree_to(sd["server"], self.plan.device)
+        self.server = server
         self.states.load_state_dict(sd["clients"])
         self.history = list(sd["history"])
         self.bytes_up = int(sd["bytes_up"])

@@ -3,7 +3,7 @@
 ``engine.mode`` names an executor kind registered in :data:`~fedskew.engine.executors.EXECUTORS`, or
 ``auto``. The ``auto`` rules are measured on this project's 2-core CPU machine (docs/performance.md): vmap
 wins on small models at small batches and loses on large convolutions; worker processes win once a
-client's round is a few hundred samples x epochs, or whatever the clients' size when FedAvg's mean is
+client's round is a few hundred samples x epochs, or whatever the clients' size when the method's mean is
 folded in the workers (:mod:`fedskew.engine.folding`: no upload is shipped); NHWC convolutions are
 1.1-1.6x faster on CPU. ``auto`` never vectorizes a model with dropout, because vmap's dropout stream
 differs from the sequential loop's, so ``auto`` always reproduces the sequential numbers.
@@ -69,7 +69,7 @@ def _auto_kind(rt: ClientRuntime, engine: EngineSection, cids: list[int]) -> tup
         return seq, "", True
     if pool_reason is None and engine.fold_uploads and folds_uploads(rt.algorithm):
         # folded in the workers, a round ships no upload: many small clients pay for the processes too
-        return seq, "FedAvg's mean folded in the workers", True
+        return seq, "the mean folded in the workers", True
     reasons = [r for r in (vec_reason, pool_reason if engine.workers > 1 else None) if r]
     if engine.workers > 1 and not reasons:
         reasons = [f"clients too small for workers (< {AUTO_WORKERS_MIN_SAMPLES} samples x epochs)"]

@@ -7,7 +7,7 @@ worker processes and in Flower ClientApps alike) and a stateful step over parame
 step. Both are built fresh at the start of every phase of every round: federated clients re-create their
 optimizer each round, so no optimizer state crosses rounds.
 
-* ``sgd`` (the default): :mod:`fedskew.engine.sgd`, ``torch.optim.SGD``'s update bit for bit.
+* ``sgd`` (the default): :mod:`fedskew.update_rules`, ``torch.optim.SGD``'s update bit for bit.
 * ``adamw``: ``torch.optim.AdamW``'s update (Loshchilov & Hutter 2019, Algorithm 2 with decoupled weight
   decay; Kingma & Ba 2015, Algorithm 1 for the moments and bias correction), for every parameter ``p`` with
   a gradient ``g``, step count ``s`` (per parameter, counting its steps with a gradient)::
@@ -20,24 +20,25 @@ optimizer each round, so no optimizer state crosses rounds.
   members does not step); it equals the per-parameter count because a vectorizable loss gives every
   trainable parameter a gradient at every step.
 
-Written over ``torch._foreach_*`` kernels, not ``torch.optim``, for the reason :mod:`fedskew.engine.sgd`
-gives (importing ``torch.optim`` costs every fresh process 1–4 s).
+The update rules themselves live in the leaf module :mod:`fedskew.update_rules` (algorithms that run their own
+small loops on copies import them from there), written over ``torch._foreach_*`` kernels, not ``torch.optim``
+(importing ``torch.optim`` costs every fresh process 1–4 s).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from fedskew import numerics
-from fedskew.engine.sgd import SGD, apply_step, sgd_directions
 from fedskew.errors import ConfigError
 from fedskew.settings import ClientSection
+from fedskew.update_rules import SGD, AdamW, adamw_update, apply_step, sgd_directions
+
+__all__ = ["OPTIMIZERS", "AdamW", "adamw_update", "local_optimizer", "stacked_optimizer"]
 
 
 class LocalOptimizer(Protocol):
@@ -58,104 +59,6 @@ class StackedOptimizer(Protocol):
 
 def _take(v: Tensor, sel: Tensor | None) -> Tensor:
     return v if sel is None else v.index_select(0, sel)
-
-
-def _log(beta: float) -> float:
-    return math.log(beta) if beta > 0 else -math.inf
-
-
-def _per_client(v: Tensor, like: Tensor) -> Tensor:
-    """A ``[G]`` tensor viewed to broadcast over ``like`` (``[G, ...]``), in its dtype."""
-    return v.to(like.dtype).view(-1, *[1] * (like.dim() - 1))
-
-
-def adamw_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    count: int | Tensor,
-    lr: float | Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step (the rule above) in place, under the caller's ``torch.no_grad()``: ``count`` is the
-    step count after this step, an int shared by the tensors, or a ``[G]`` tensor (one per stacked client);
-    ``lr`` a float, or a ``[G]`` tensor."""
-    b1, b2 = betas
-    params, exp_avgs, exp_avg_sqs = list(params), list(exp_avgs), list(exp_avg_sqs)
-    if not params:
-        return
-    torch._foreach_lerp_(exp_avgs, list(grads), 1 - b1)
-    torch._foreach_mul_(exp_avg_sqs, b2)
-    torch._foreach_addcmul_(exp_avg_sqs, list(grads), list(grads), value=1 - b2)
-    if isinstance(count, Tensor) or isinstance(lr, Tensor):
-        # on the parameters' device and dtype (no float64 on MPS, no host sync): 1 − β^s = −expm1(s·ln β),
-        # accurate where 1 − β^s in float32 would lose digits (β₂ = 0.999, s = 1)
-        dev, dtype = params[0].device, params[0].dtype
-        counts = torch.as_tensor(count, dtype=dtype, device=dev)
-        rates = torch.as_tensor(lr, dtype=dtype, device=dev)
-        step_size = rates / -torch.expm1(counts * _log(b1))
-        bc2_sqrt = numerics.sqrt(-torch.expm1(counts * _log(b2)))
-        for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True):
-            if weight_decay:
-                p.mul_(_per_client(1 - rates * weight_decay, p))
-            denom = (numerics.sqrt(v) / _per_client(bc2_sqrt, p)).add_(eps)
-            p.sub_(_per_client(step_size, p) * m / denom)
-        return
-    if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    denoms = numerics.foreach_sqrt(exp_avg_sqs)  # correctly rounded on every CPU
-    torch._foreach_div_(denoms, (1 - b2**count) ** 0.5)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / (1 - b1**count))
-
-
-class AdamW:
-    """Stateful AdamW over a fixed list of parameters, as ``torch.optim.AdamW``: a parameter without a
-    gradient is left untouched and its step count does not advance."""
-
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ) -> None:
-        self.params = list(params)
-        self.lr, self.betas, self.eps, self.weight_decay = float(lr), betas, float(eps), float(weight_decay)
-        self.moments: list[tuple[Tensor, Tensor] | None] = [None] * len(self.params)
-        self.counts = [0] * len(self.params)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        by_count: dict[int, list[int]] = {}
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            if self.moments[i] is None:
-                self.moments[i] = (torch.zeros_like(p), torch.zeros_like(p))
-            self.counts[i] += 1
-            by_count.setdefault(self.counts[i], []).append(i)
-        for count, live in by_count.items():
-            moments: list[tuple[Tensor, Tensor]] = [self.moments[i] for i in live]  # type: ignore[misc]
-            adamw_update(
-                [self.params[i] for i in live],
-                [self.params[i].grad for i in live],  # type: ignore[misc]
-                [m for m, _ in moments],
-                [v for _, v in moments],
-                count,
-                self.lr,
-                self.betas,
-                self.eps,
-                self.weight_decay,
-            )
 
 
 class StackedSGD:

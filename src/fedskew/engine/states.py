@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +44,8 @@ log = logging.getLogger("fedskew.engine")
 #: the folder of an output folder that holds spilled client states
 STATES_DIR = "client-states"
 _FORMAT = 2  # state_dict layout: {"format", "memory", "spilled"}
+#: the names of spilled client-state files (``r<round>-c<client>.pt``): the only names a checkpoint may give
+STATE_FILE = re.compile(r"r[0-9]+-c[0-9]+\.pt")
 
 
 class ClientStates(Protocol):
@@ -69,6 +72,25 @@ class ClientStates(Protocol):
         ...
 
 
+class SpillFolder:
+    """Where a store spills: a run's own ``folder``, or (``None``) a temporary folder under
+    ``$FEDSKEW_CACHE/<STATES_DIR>`` named ``<prefix>...``, removed with this object; created on first use."""
+
+    def __init__(self, folder: Path | None, prefix: str) -> None:
+        self.folder, self.prefix = folder, prefix
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def path(self) -> Path:
+        if self.folder is None:
+            if self._tmp is None:
+                root = cache_root() / STATES_DIR
+                root.mkdir(parents=True, exist_ok=True)
+                self._tmp = tempfile.TemporaryDirectory(prefix=self.prefix, dir=root)
+            return Path(self._tmp.name)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return self.folder
+
+
 def state_nbytes(obj: Any) -> int:
     """Bytes of the tensor storages in a nested state (each storage once; a view costs its storage)."""
     seen: dict[int, int] = {}
@@ -77,7 +99,7 @@ def state_nbytes(obj: Any) -> int:
         if isinstance(o, torch.Tensor):
             storage = o.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(o, dict):
+        elif isinstance(o, Mapping):  # dicts and read-only mappings (a ServerTable and its rows)
             for v in o.values():
                 walk(v)
         elif isinstance(o, (list, tuple)):
@@ -88,7 +110,33 @@ def state_nbytes(obj: Any) -> int:
     return sum(seen.values())
 
 
-def _fsync(path: Path) -> None:
+def spill_name(name: object, pattern: re.Pattern[str], what: str) -> str:
+    """A spill file's name read from a checkpoint, if it is one this store writes (``pattern``): a name with a
+    path separator or ``..`` in it is never joined to a folder (it could read or delete any file)."""
+    if not isinstance(name, str) or pattern.fullmatch(name) is None:
+        raise FedskewError(
+            f"the checkpoint names {what} file {str(name)[:80]!r}, not a name this run writes "
+            f"({pattern.pattern}); refusing it (rerun with --force to start over)"
+        )
+    return name
+
+
+def write_file(path: Path, obj: Any) -> int:
+    """``torch.save`` ``obj`` to ``path`` through a temporary file renamed into place; the file's size."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        # torch's zip writer checksums every record; the file is written once and read back by this run
+        # only, so the checksum (4x the cost of the write, measured) is skipped
+        with torch.utils.serialization.config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def fsync(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -110,7 +158,7 @@ class SpillingStates:
     ) -> None:
         self.initial, self.budget = initial, int(budget_bytes)
         self._folder = folder
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._spill = SpillFolder(folder, "run-")
         self._memory: OrderedDict[int, tuple[State, int, int]] = OrderedDict()  # cid -> (state, bytes, round)
         self._spilled: dict[int, tuple[str, int]] = {}  # cid -> (file name, bytes on disk)
         self._bytes = 0
@@ -143,14 +191,7 @@ class SpillingStates:
 
     def folder(self) -> Path:
         """The spill folder (created on first use)."""
-        if self._folder is None:
-            if self._tmp is None:
-                root = cache_root() / STATES_DIR
-                root.mkdir(parents=True, exist_ok=True)
-                self._tmp = tempfile.TemporaryDirectory(prefix="run-", dir=root)
-            return Path(self._tmp.name)
-        self._folder.mkdir(parents=True, exist_ok=True)
-        return self._folder
+        return self._spill.path()
 
     def _load(self, cid: int) -> State:
         name, size = self._spilled[cid]
@@ -205,28 +246,19 @@ class SpillingStates:
     def _write(self, name: str, state: State) -> int:
         """Write ``state`` as ``name`` in the spill folder (a temporary file, renamed); its size."""
         path = self.folder() / name
-        tmp = path.with_name(f".{name}.tmp")
-        try:
-            # torch's zip writer checksums every record; the file is written once and read back by this run
-            # only, so the checksum (4x the cost of the write, measured) is skipped
-            with torch.utils.serialization.config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
-                torch.save(state, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        size = write_file(path, state)
         if self._folder is not None:  # a run's own folder: flushed to disk by the next checkpoint
             self._written.append(path)
-        return path.stat().st_size
+        return size
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The states in memory and the names of the spilled ones; files spilled since the last snapshot
         are flushed to disk first, and files no snapshot kept names any more are deleted."""
         for path in self._written:
-            _fsync(path)
+            fsync(path)
         if self._written:
-            _fsync(self._written[0].parent)
+            fsync(self._written[0].parent)
         self._written = []
         named = {name for name, _ in self._spilled.values()}
         dropped = set().union(*self._held) - named if self._held else set()
@@ -248,7 +280,7 @@ class SpillingStates:
             self.commit(0, {int(cid): state for cid, state in sd.items()})
             return
         for cid, (name, size) in sd["spilled"].items():
-            self._spilled[int(cid)] = (str(name), int(size))
+            self._spilled[int(cid)] = (spill_name(name, STATE_FILE, "a client-state"), int(size))
         rounds = sd.get("rounds", {})
         for cid, state in sd["memory"].items():
             nbytes = state_nbytes(state)

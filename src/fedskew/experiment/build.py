@@ -25,14 +25,17 @@ from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Ev
 from fedskew.engine.loop import RoundPlan, Simulation
 from fedskew.engine.modes import EmbeddedExecutor, memory_format
 from fedskew.engine.probes import BackdoorProbe
-from fedskew.engine.runtime import ClientRuntime, ModelCache
+from fedskew.engine.runtime import ClientData, ClientRuntime, ModelCache
 from fedskew.engine.sampling import client_schedule, clients_per_round
 from fedskew.engine.states import SpillingStates
+from fedskew.engine.table_store import TableStore
 from fedskew.errors import ConfigError
+from fedskew.experiment.checks_method import check_model_layouts
 from fedskew.experiment.config import Config, VisionLanguageConfig, parse_client_range
 from fedskew.models.base import MODELS
 from fedskew.models.frozen import frozen_features
 from fedskew.models.vision_language import VisionLanguageSpec, vision_language_data
+from fedskew.runtimes import RUNTIMES
 
 
 def with_resolved_device(cfg: Config) -> Config:
@@ -54,7 +57,7 @@ def with_resolved_device(cfg: Config) -> Config:
 def recorded_config(cfg: Config) -> Config:
     """The config a run records in ``config.yaml`` and compares on resume: for the embedded runtime with
     its device resolved; Flower's processes each resolve ``auto`` on their own machine."""
-    return with_resolved_device(cfg) if cfg.engine.runtime == "embedded" else cfg
+    return with_resolved_device(cfg) if RUNTIMES.get(cfg.engine.runtime).in_process else cfg
 
 
 def build_data(cfg: Config) -> FederatedData:
@@ -155,6 +158,7 @@ def algorithm_of(cfg: Config, meta: ClientMeta) -> tuple[Algorithm, ModelCache]:
     build_model, arch_key = model_builders(cfg, meta)
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
     alg_cls = secured(ALGORITHMS.get(cfg.algorithm.name), security_of(cfg, meta.num_classes))
+    check_model_layouts(alg_cls, meta.num_clients, build_model, arch_key)
     spec = ModelSpec(build_model, arch_key, device, fmt, cfg.seed)
     params = alg_cls.Params(**cfg.algorithm.hyper())
     return construct_algorithm(alg_cls, params, meta, spec, cfg.client, cfg.rounds, cfg.seed)
@@ -171,12 +175,20 @@ def security_of(cfg: Config, num_classes: int) -> SecurityPlan:
     )
 
 
-def evaluator(cfg: Config, algorithm: Algorithm, models: ModelCache, data: FederatedData) -> Evaluator:
-    """The evaluator of ``eval.protocol`` over ``data``'s held-out sets, on the models' device."""
+def evaluator(
+    cfg: Config,
+    algorithm: Algorithm,
+    models: ModelCache,
+    data: FederatedData,
+    clients: ClientData | None = None,
+) -> Evaluator:
+    """The evaluator of ``eval.protocol`` over ``data``'s held-out sets, on the models' device (``clients``:
+    the clients' training data, for evaluation-time adaptation)."""
     device = models.device
     batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
     eval_data = EvalData.of(data, device)
-    return Evaluator(algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, cfg.engine.precision)
+    e = cfg.engine
+    return Evaluator(algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, e.precision, clients)
 
 
 def probed(cfg: Config, round_evaluator: RoundEvaluator, ev: Evaluator) -> RoundEvaluator:
@@ -233,7 +245,7 @@ def build_simulation(
         algorithm, client_data(data, models.device), models, cfg.client, cfg.seed, cfg.rounds, models.device,
         e.on_client_error, e.precision,
     )  # fmt: skip
-    scorer = evaluator(cfg, algorithm, models, data)
+    scorer = evaluator(cfg, algorithm, models, data, rt.data)  # rt.data: evaluation-time adaptation
     server = initial_server(algorithm, models, cfg.seed)
     states = SpillingStates(rt.initial_state, int(e.state_memory_mb * 2**20), states_dir)
     return Simulation(
@@ -243,4 +255,5 @@ def build_simulation(
         executor=EmbeddedExecutor(rt, e),
         evaluator=central(cfg, probed(cfg, scorer, scorer), algorithm, models, data),
         states=states,
+        tables=TableStore(int(e.state_memory_mb * 2**20), states_dir, models.device),
     )

@@ -226,7 +226,7 @@ def _plan_one(
     overrides = (*sets, *(f"{a.target}={v}" for a, v in point))
     every = [*overrides, *([f"seed={seed}"] if seed is not None else [])]
     try:
-        cfg = build_config(doc.data, every).to_dict()
+        cfg = build_config(doc.data, every, base=doc.path.resolve().parent).to_dict()
     except ConfigError as err:
         why = skip_reason(err, point)
         if why is None:

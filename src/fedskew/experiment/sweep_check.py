@@ -22,6 +22,7 @@ from fedskew.errors import ConfigError
 from fedskew.experiment.config import Config, LogSection, MlflowLog, WandbLog
 from fedskew.experiment.sweep import PlannedRun
 from fedskew.experiment.tracking import check_trackers
+from fedskew.runtimes import RUNTIMES
 
 #: seconds a tracker server gets to accept a connection
 CONNECT_TIMEOUT = 3.0
@@ -45,10 +46,9 @@ def _generator(cfg: Config) -> str | None:
     return vl.generator.name if vl is not None else None
 
 
-#: (what needs it, when a config needs it, the module, the fedskew extra that installs it); the trackers'
-#: modules are checked by tracking.check_trackers
+#: (what needs it, when a config needs it, the module, the fedskew extra that installs it); the runtime's
+#: module is its registry entry's ``needs``, the trackers' modules are checked by tracking.check_trackers
 EXTRAS: list[tuple[str, Callable[[Config], bool], str, str]] = [
-    ("engine.runtime=flower-*", lambda c: c.engine.runtime != "embedded", "flwr", "flower"),
     ("privacy.mechanism", lambda c: c.privacy.mechanism != "none", "dp_accounting", "privacy"),
     ("data.dataset=hf", lambda c: c.data.dataset == "hf", "datasets", "hf"),
     ("backbone open_clip / random_clip", lambda c: _backbone(c) in _CLIP, "open_clip", "clip"),
@@ -59,6 +59,11 @@ EXTRAS: list[tuple[str, Callable[[Config], bool], str, str]] = [
 
 def missing_extra(cfg: Config) -> str | None:
     """The first optional package ``cfg`` needs that is not installed, as a one-line problem."""
+    runtime = RUNTIMES.get(cfg.engine.runtime).needs  # what the runtime's entry declares it needs
+    if runtime is not None and importlib.util.find_spec(runtime[0]) is None:
+        module, extra = runtime
+        what = f"engine.runtime={cfg.engine.runtime}"
+        return f"{what} needs the '{module}' package: pip install 'fedskew[{extra}]'"
     for what, needs, module, extra in EXTRAS:
         if needs(cfg) and importlib.util.find_spec(module) is None:
             return f"{what} needs the '{module}' package: pip install 'fedskew[{extra}]'"

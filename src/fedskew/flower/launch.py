@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,21 +19,41 @@ from fedskew.settings import host_port
 if TYPE_CHECKING:
     from fedskew.flower.apps import Job
 
+#: a runtime's launch function (fedskew.runtimes.Runtime.launch)
+Launch = Callable[..., dict[str, Any]]
+
 
 def run_flower(
     cfg: Config, out: str | Path | None, *, resume: bool = False, force: bool = False
 ) -> dict[str, Any]:
-    """Run ``cfg`` on its ``engine.runtime`` and return the summary (results files in ``out``; Flower's own
-    log in ``out/flower.log``, :mod:`fedskew.flower.logs`)."""
-    require_flwr()
-    from fedskew.flower.deploy import run_deployment
-    from fedskew.flower.logs import FLOWER_LOG, flower_log
+    """Run ``cfg`` on its ``engine.runtime`` (a Flower one: :data:`fedskew.runtimes.RUNTIMES`) and return the
+    summary (results files in ``out``; Flower's own log in ``out/flower.log``, :mod:`fedskew.flower.logs`)."""
+    from fedskew.runtimes import RUNTIMES
 
-    runner = run_simulation if cfg.engine.runtime == "flower-simulation" else run_deployment
-    if out is None:
-        return runner(cfg, out, resume, force)
-    with flower_log(Path(out) / FLOWER_LOG):  # Flower's log in the run folder, not on the console
-        return runner(cfg, out, resume, force)
+    return RUNTIMES.get(cfg.engine.runtime).start(cfg, out, resume=resume, force=force)
+
+
+def _in_flower_log(runner: Callable[[Config, str | Path | None, bool, bool], dict[str, Any]]) -> Launch:
+    """``runner`` with flwr required first and Flower's log sent to ``out/flower.log`` (not the console)."""
+
+    def launch(cfg: Config, out: str | Path | None, *, resume: bool = False, force: bool = False) -> Any:
+        require_flwr()
+        from fedskew.flower.logs import FLOWER_LOG, flower_log
+
+        if out is None:
+            return runner(cfg, out, resume, force)
+        with flower_log(Path(out) / FLOWER_LOG):
+            return runner(cfg, out, resume, force)
+
+    launch.__doc__ = runner.__doc__
+    return launch
+
+
+def _deployment(cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
+    """A SuperLink and ``engine.nodes`` SuperNodes on loopback (:mod:`fedskew.flower.deploy`)."""
+    from fedskew.flower.deploy import run_deployment
+
+    return run_deployment(cfg, out, resume, force)
 
 
 def run_simulation(cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
@@ -40,6 +61,11 @@ def run_simulation(cfg: Config, out: str | Path | None, resume: bool, force: boo
     from fedskew.flower.apps import Job
 
     return simulate([Job(cfg, out, resume, force)])[0]
+
+
+#: the entries' launch functions (``engine.runtime`` flower-simulation and flower-deployment)
+launch_simulation = _in_flower_log(run_simulation)
+launch_deployment = _in_flower_log(_deployment)
 
 
 def simulate(jobs: list[Job]) -> list[dict[str, Any]]:

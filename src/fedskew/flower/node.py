@@ -22,20 +22,21 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from fedskew.algorithms.base import Payload, State, load_state
+from fedskew.algorithms.base import Payload, RoundInfo, State
 from fedskew.data.base import resolve_root
 from fedskew.data.federated import FederatedData
 from fedskew.data.nodes import NodeManifest, spread
 from fedskew.engine.assembly import ClientMeta, client_data
 from fedskew.engine.client import train_client
 from fedskew.engine.device import use_deterministic_algorithms
-from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, score
+from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, load_eval_weights, score
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
 from fedskew.errors import FedskewError
@@ -286,18 +287,27 @@ def handle_train(content: RecordDict, context: Context) -> RecordDict:
 def _stats(
     node: NodeRuntime, cid: int | None, payload: Payload, state: State | None, x: Any, y: Any, conv: Any
 ) -> Any:
-    """``[correct per head..., loss sum]`` (float64) of ``cid``'s model (``None``: the global model) on
-    ``(x, y)``, and the heads."""
+    """``[correct per head..., loss sum]`` (float64) of ``cid``'s model (``None``: the global model; its
+    weights loaded by :func:`_load`) on ``(x, y)``, and the heads."""
     alg = node.rt.algorithm
     model = node.rt.models.model_for(cid)
     dev_state = None if state is None else tree_to(state, node.rt.device)
-    load_state(model, alg.eval_weights(payload, dev_state))
     if y.numel() == 0:
         return None, []
     s = score(alg, model, payload, dev_state, x, y, node.eval_batch, conv, node.rt.precision)
     heads = list(s.correct)
     row = [float(s.correct[h].double().sum()) for h in heads] + [float(s.loss.double().sum())]
     return torch.tensor(row, dtype=torch.float64), heads
+
+
+def _load(node: NodeRuntime, cid: int | None, round_idx: int, payload: Payload, state: State | None) -> None:
+    """Load what ``cid`` is scored with, adapted on its training data on this node where the method adapts
+    (:func:`fedskew.engine.evaluation.load_eval_weights`: the embedded evaluator's path)."""
+    rt = node.rt
+    dev_state = None if state is None else tree_to(state, rt.device)
+    read = None if cid is None else partial(rt.data.view, cid)
+    info = RoundInfo(round_idx, cid, rt.seed)
+    load_eval_weights(rt.algorithm, rt.models.model_for(cid), payload, dev_state, info, read)
 
 
 def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
@@ -308,7 +318,7 @@ def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
     (``test.<cid>``, ``val.<cid>``) or for the node (``test.node``, ``val.node``)."""
     job = config(content, "job")
     node = node_runtime(job, context)
-    scope = str(job.get("scope", "personal"))
+    scope, round_idx = str(job.get("scope", "personal")), int(job["round"])
     cids = [int(c) for c in job["cids"]]
     refs = dict(zip(cids, [int(v) for v in job["refs"]], strict=True))
     _owned(node, cids)
@@ -327,6 +337,7 @@ def handle_evaluate(content: RecordDict, context: Context) -> RecordDict:
             who, payload = cid, get_payload(content, f"p.{cid}", node.rt.device)
             state = load_version(node, store, cid, refs[cid])
         assert payload is not None
+        _load(node, who, round_idx, payload, state)  # once for both splits (an adaptation is costly)
         for split, x, y, conv in (
             ("test", sp.x_test, sp.y_test, node.to_float),
             ("val", sp.x_val, sp.y_val, _identity),

@@ -43,6 +43,7 @@ from fedskew.engine.loop import Simulation
 from fedskew.engine.policy import client_raised, finite_upload
 from fedskew.engine.runtime import ModelCache
 from fedskew.engine.states import SpillingStates
+from fedskew.engine.table_store import TableStore
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import FedskewError
 from fedskew.experiment.build import algorithm_of, build_algorithm, build_data, evaluator, probed, round_plan
@@ -385,6 +386,7 @@ def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Pat
         if parts.local is None
         else probed(cfg, scorer, parts.local),
         states=states,
+        tables=TableStore(int(cfg.engine.state_memory_mb * 2**20), states_dir, models.device),
     )
 
 

@@ -15,18 +15,15 @@ from typing import Literal
 
 import numpy as np
 
+from fedskew.algorithms.security.rules import ATTACKS, DEFENCES, poisons_updates, replaces_mean
 from fedskew.errors import ConfigError
 from fedskew.seeding import derive_seed
 from fedskew.settings import (
-    UPDATE_ATTACKS,
     AdaptiveClip,
     AttackSection,
     DefenceSection,
     PrivacySection,
 )
-
-#: defences that assume at most a fraction f of Byzantine clients per round, and their condition on m
-FRACTION_RULES = {"krum": (2, 3), "multi_krum": (2, 3), "bulyan": (4, 3), "median": (2, 1)}
 
 
 @dataclass(frozen=True)
@@ -98,9 +95,7 @@ class SecurityPlan:
         """Whether the server changes uploads before the algorithm aggregates them (local DP acts on the
         clients)."""
         return (
-            self.attack.name in UPDATE_ATTACKS
-            or self.defence.name != "mean"
-            or self.privacy.mechanism == "central"
+            poisons_updates(self.attack) or replaces_mean(self.defence) or self.privacy.mechanism == "central"
         )
 
     def is_malicious(self, cid: int | None) -> bool:
@@ -122,31 +117,24 @@ def malicious_clients(attack: AttackSection, num_clients: int, seed: int) -> fro
 
 
 def _byzantine(defence: DefenceSection, attack: AttackSection, per_round: int) -> int:
+    """f, the malicious uploads a round that a rule assuming a fraction of them (``DefenceRule.byzantine``)
+    tolerates: one line naming the condition when m is too small."""
     frac = defence.byzantine_fraction if defence.byzantine_fraction is not None else attack.fraction
-    name = defence.name
-    if name in FRACTION_RULES:
-        if frac >= 0.5:
-            raise ConfigError(
-                f"defence.byzantine_fraction={frac}: {name} tolerates less than 0.5; allowed: [0, 0.5)"
-            )
-        f = math.ceil(frac * per_round)
-        a, b = FRACTION_RULES[name]
-        if per_round < a * f + b:
-            raise ConfigError(
-                f"defence.name={name}: needs clients per round m >= {a}f + {b}; m = {per_round}, f = {f} "
-                f"(byzantine_fraction {frac}); sample more clients or assume fewer attackers"
-            )
-        return f
-    return 0
-
-
-def _check_defence(defence: DefenceSection) -> None:
-    if defence.name == "trimmed_mean" and not defence.beta < 0.5:
+    name, condition = defence.name, DEFENCES.get(defence.name).byzantine
+    if condition is None:
+        return 0
+    if frac >= 0.5:
         raise ConfigError(
-            f"defence.beta={defence.beta}: trimmed_mean trims less than half; allowed: [0, 0.5)"
+            f"defence.byzantine_fraction={frac}: {name} tolerates less than 0.5; allowed: [0, 0.5)"
         )
-    if defence.name == "norm_bound" and (defence.max_norm is None or defence.max_norm <= 0):
-        raise ConfigError(f"defence.max_norm={defence.max_norm}: norm_bound needs a positive bound, e.g. 1.0")
+    f = math.ceil(frac * per_round)
+    a, b = condition
+    if per_round < a * f + b:
+        raise ConfigError(
+            f"defence.name={name}: needs clients per round m >= {a}f + {b}; m = {per_round}, f = {f} "
+            f"(byzantine_fraction {frac}); sample more clients or assume fewer attackers"
+        )
+    return f
 
 
 def _check_privacy(privacy: PrivacySection, defence: DefenceSection) -> None:
@@ -162,7 +150,7 @@ def _check_privacy(privacy: PrivacySection, defence: DefenceSection) -> None:
         raise ConfigError(f"privacy.target_epsilon={privacy.target_epsilon}: must be > 0")
     if privacy.adaptive is not None and privacy.mechanism != "central":
         raise ConfigError("privacy.adaptive: adaptive clipping needs privacy.mechanism=central")
-    if defence.name != "mean":
+    if replaces_mean(defence):
         raise ConfigError(
             f"defence.name={defence.name} with privacy: a robust rule changes the sensitivity the accountant "
             "assumes; allowed with privacy: mean (clipping already bounds every update)"
@@ -278,7 +266,8 @@ def security_plan(
     """Resolve and check the three sections for a federation (raises :class:`ConfigError`)."""
     if attack.name != "none" and attack.clients is None and attack.fraction <= 0:
         raise ConfigError(f"attack.name={attack.name}: give attack.fraction in (0, 1] or attack.clients")
-    _check_defence(defence)
+    ATTACKS.get(attack.name).check(attack)
+    DEFENCES.get(defence.name).check(defence)
     _check_privacy(privacy, defence)
     if privacy.adaptive is not None and privacy.noise_multiplier is not None:  # z known: check σ_b now
         _noise_and_epsilons(privacy, num_clients, per_round, rounds)
@@ -301,8 +290,8 @@ def check_algorithm(
     what = [
         label
         for label, on in (
-            (f"attack.name={attack.name}", attack.name in UPDATE_ATTACKS),
-            (f"defence.name={defence.name}", defence.name != "mean"),
+            (f"attack.name={attack.name}", poisons_updates(attack)),
+            (f"defence.name={defence.name}", replaces_mean(defence)),
             (f"privacy.mechanism={privacy.mechanism}", privacy.mechanism != "none"),
         )
         if on

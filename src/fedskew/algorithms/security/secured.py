@@ -7,19 +7,22 @@ of the method and adds, as declared by a :class:`~fedskew.algorithms.security.co
   data poisoning of the malicious clients' batches in ``local_loss`` (``label_flip``, ``backdoor``; the
   flag travels in ``derived``, so the loss stays vmappable), and the local DP variant in ``finish_local``
   (the client clips its update to C and adds N(0, (z·2C)²) itself);
-* on the server, before the method's own ``aggregate`` (so it composes with server optimizers):
+* on the server, in place of the method's mean (``Algorithm.mean_aggregation``: the method's
+  ``server_step`` then runs on what replaced it, so it composes with server optimizers):
   model-poisoning of the malicious uploads (``sign_flip``, ``gaussian``, ``scaling``, ``alie``; a
   simulation shortcut with the same effect as the client sending it), then either a robust rule
   (:mod:`~fedskew.algorithms.security.robust`) or central DP-FedAvg (McMahan et al. 2018, Alg. 1):
   each update clipped to C, the sum of the clipped updates plus N(0, (z·2C)² I) divided by the fixed
   m, with adaptive quantile clipping (Andrew et al. 2021, Alg. 1) as an option.
 
-Updates are the uploads' floating arrays minus what the server broadcast for them (the global model for
-``model.*`` entries, 0 for arrays it does not send, e.g. SCAFFOLD's control-variate changes). A robust rule
-that *selects* (Krum, Multi-Krum) hands the method the selected uploads; a rule that *computes* a value
-(median, trimmed mean, Bulyan, geometric median) and central DP hand it every upload carrying that same
-value (their counts kept), so any method whose aggregation is a mean of the uploads
-(``Algorithm.mean_aggregation``) aggregates exactly the rule's output.
+Attacks and defences are the entries of :data:`~fedskew.algorithms.security.rules.ATTACKS` and
+:data:`~fedskew.algorithms.security.rules.DEFENCES`. Updates are the uploads' floating arrays minus what
+the server broadcast for them (the global model for ``model.*`` entries, 0 for arrays it does not send,
+e.g. SCAFFOLD's control-variate changes). A robust rule that *selects* (Krum, Multi-Krum) or bounds
+(norm_bound) leaves uploads for the method's own weighted mean; a rule that *computes* a value (median,
+trimmed mean, Bulyan, geometric median) and central DP give the mean itself (the reference plus that value),
+so the method's server step sees exactly the rule's output. Where the server changes uploads the derived
+class does not declare ``mean_aggregation`` (the engine cannot fold a mean it does not compute).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,16 +43,19 @@ from fedskew.algorithms.base import (
     LocalPlan,
     LocalResult,
     LocalStep,
+    MeanInfo,
     Payload,
     RoundInfo,
     ServerUpdate,
     State,
     Upload,
+    receipt,
+    weighted_average,
 )
-from fedskew.algorithms.security import attacks, robust
+from fedskew.algorithms.security import robust
 from fedskew.algorithms.security.config import NOT_PRIVATE, SecurityPlan, count_noise
 from fedskew.algorithms.security.randomness import secret_normal
-from fedskew.settings import DATA_ATTACKS, UPDATE_ATTACKS, AttackSection
+from fedskew.algorithms.security.rules import ATTACKS, DEFENCES, DefenceInput, poisons_data
 
 MALICIOUS = "security.malicious"  # the derived flag of a malicious client (0-d float tensor)
 CLIP_KEY = "dp_clip"  # server state: the current clip norm (adaptive clipping)
@@ -142,14 +147,6 @@ def public_integers(upload: Payload, broadcast: Payload) -> dict[str, Tensor]:
     return arrays
 
 
-#: a malicious client's update from its honest one: (Δ, attack section, its generator) -> Δ'
-_UPDATE_ATTACKS: dict[str, Callable[[Tensor, AttackSection, torch.Generator], Tensor]] = {
-    "sign_flip": lambda delta, a, gen: attacks.sign_flip(delta, a.scale),
-    "scaling": lambda delta, a, gen: attacks.scale_update(delta, a.scale),
-    "gaussian": lambda delta, a, gen: attacks.gaussian_update(delta, a.sigma, gen),
-}
-
-
 class SecuredAlgorithm(Algorithm):
     """The hooks :func:`secured` adds in front of a method (it is mixed in before the method's class)."""
 
@@ -158,22 +155,16 @@ class SecuredAlgorithm(Algorithm):
     # ------------------------------------------------------------------ clients
     def start_local(self, step: LocalStep) -> LocalPlan:
         plan = super().start_local(step)
-        if self.security.attack.name not in DATA_ATTACKS:
+        if not poisons_data(self.security.attack):
             return plan
         flag = torch.tensor(float(self.security.is_malicious(step.client.cid)), device=step.client.y.device)
         return dataclasses.replace(plan, derived={**plan.derived, MALICIOUS: flag})
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
         attack = self.security.attack
-        if attack.name in DATA_ATTACKS:
-            bad = step.derived[MALICIOUS]
-            if attack.name == "label_flip":
-                batch = dataclasses.replace(batch, y=attacks.flip_labels(batch.y, self.ctx.num_classes, bad))
-            else:
-                x, y = attacks.poison_batch(
-                    batch.x, batch.y, bad, attack.target, attack.trigger_size, attack.poison_fraction
-                )
-                batch = dataclasses.replace(batch, x=x, y=y)
+        poison = ATTACKS.get(attack.name).batch
+        if poison is not None:
+            batch = poison(batch, attack, step.derived[MALICIOUS], self.ctx.num_classes)
         return super().local_loss(step, batch)
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
@@ -225,27 +216,53 @@ class SecuredAlgorithm(Algorithm):
         return server
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
+        """The method's aggregation, with the mean replaced where the plan touches uploads: poisoned
+        updates, then a defence or central DP, then the method's :meth:`server_step` on the result."""
         plan = self.security
         if plan.privacy.mechanism == "local":  # self-reported sample counts are not trusted: uniform
             uploads = [dataclasses.replace(u, num_samples=1) for u in uploads]
         if not plan.touches_uploads or not uploads:
-            update = super().aggregate(server, uploads, info)
-            return self._with_privacy_metrics(update, info)
+            return super().aggregate(server, uploads, info)
         broadcast = self.broadcast(server, RoundInfo(info.round, None, info.seed))
         layout = Layout.of(uploads[0], broadcast)
-        deltas = layout.deltas(uploads)
-        deltas = self._poison(deltas, uploads, info)
+        deltas = self._poison(layout.deltas(uploads), uploads, info)
+        uploads = [
+            layout.with_delta(u, row) if plan.is_malicious(u.cid) else u
+            for u, row in zip(uploads, deltas, strict=True)
+        ]
         metrics: dict[str, float] = {}
         if plan.privacy.mechanism == "central":
-            uploads, clip = self._central_dp(server, (layout, broadcast), deltas, uploads, info, metrics)
+            uploads = [dataclasses.replace(u, num_samples=1) for u in uploads]
+            value, clip = self._central_dp(server, deltas, uploads, info, metrics)
             server = {**server, CLIP_KEY: clip} if CLIP_KEY in server else server
+            mean = self._mean_of(uploads, layout, value, broadcast)
         else:
-            uploads = self._defend(layout, deltas, uploads, metrics)
-        update = super().aggregate(server, uploads, info)
+            counts = torch.tensor([float(u.num_samples) for u in uploads], dtype=torch.float64)
+            x = DefenceInput(deltas, uploads, counts, plan.byzantine, layout.with_delta, metrics)
+            rule = DEFENCES.get(plan.defence.name).apply
+            out = rule(plan.defence, x) if rule is not None else None
+            uploads = uploads if out is None or out.uploads is None else out.uploads
+            mean = self._mean_of(uploads, layout, None if out is None else out.value, None)
+        weights = self.mean_weights([u.num_samples for u in uploads])
+        update = self.server_step(server, mean, MeanInfo(info, [receipt(u) for u in uploads], weights))
         update = dataclasses.replace(update, metrics={**update.metrics, **metrics})
         if CLIP_KEY in server:
             update = dataclasses.replace(update, state={**update.state, CLIP_KEY: server[CLIP_KEY]})
-        return self._with_privacy_metrics(update, info)
+        return update
+
+    def _mean_of(
+        self, uploads: list[Upload], layout: Layout, value: Tensor | None, public: Payload | None
+    ) -> Payload:
+        """The method's weighted mean of ``uploads``; with ``value``, its floating arrays are the reference
+        plus ``value`` (and, with ``public``, its integer arrays the broadcast's)."""
+        weights = self.mean_weights([u.num_samples for u in uploads])
+        mean = Payload(arrays=weighted_average([u.payload.arrays for u in uploads], weights))
+        if value is None:
+            return mean
+        return Payload(layout.with_delta(Upload(-1, 0, mean), value, public=public).payload.arrays)
+
+    def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
+        return self._with_privacy_metrics(super().server_step(server, mean, info), info.round)
 
     def _with_privacy_metrics(self, update: ServerUpdate, info: RoundInfo) -> ServerUpdate:
         eps = self.security.epsilons
@@ -259,62 +276,27 @@ class SecuredAlgorithm(Algorithm):
         """The malicious clients' updates replaced as their attack says (simulation shortcut)."""
         plan, attack = self.security, self.security.attack
         bad = [i for i, u in enumerate(uploads) if plan.is_malicious(u.cid)]
-        if attack.name not in UPDATE_ATTACKS or not bad:
+        poison = ATTACKS.get(attack.name).updates
+        if poison is None or not bad:
             return deltas
+        gens = [RoundInfo(info.round, uploads[i].cid, info.seed).generator(_ATTACK_KEY) for i in bad]
         out = deltas.clone()
-        if attack.name == "alie":
-            z = attack.z if attack.z is not None else attacks.alie_z(len(uploads), len(bad))
-            out[bad] = attacks.alie(deltas[bad], z)
-            return out
-        for i in bad:
-            gen = RoundInfo(info.round, uploads[i].cid, info.seed).generator(_ATTACK_KEY)
-            out[i] = _UPDATE_ATTACKS[attack.name](deltas[i], attack, gen)
+        out[bad] = poison(deltas[bad], attack, len(uploads), gens)
         return out
-
-    def _defend(
-        self, layout: Layout, deltas: Tensor, uploads: list[Upload], metrics: dict[str, float]
-    ) -> list[Upload]:
-        d, f = self.security.defence, self.security.byzantine
-        if d.name == "mean":  # the method's own mean: only the poisoned uploads change
-            bad = self.security.is_malicious
-            return [
-                layout.with_delta(u, r) if bad(u.cid) else u for u, r in zip(uploads, deltas, strict=True)
-            ]
-        if d.name == "norm_bound":
-            assert d.max_norm is not None
-            clipped, within = robust.clip_rows(deltas, d.max_norm)
-            metrics["defence_clipped"] = float((~within).sum())
-            return [layout.with_delta(u, row) for u, row in zip(uploads, clipped, strict=True)]
-        if d.name in ("krum", "multi_krum"):
-            keep = 1 if d.name == "krum" else (d.select or len(uploads) - f)
-            chosen = robust.multi_krum(deltas, f, min(keep, len(uploads)))
-            metrics["defence_selected"] = float(len(chosen))
-            return [layout.with_delta(uploads[i], deltas[i]) for i in sorted(chosen)]
-        weights = torch.tensor([float(u.num_samples) for u in uploads], dtype=deltas.dtype)
-        rules: dict[str, Callable[[], Tensor]] = {
-            "median": lambda: robust.coordinate_median(deltas),
-            "trimmed_mean": lambda: robust.trimmed_mean(deltas, d.beta),
-            "bulyan": lambda: robust.bulyan(deltas, f),
-            "geomed": lambda: robust.geometric_median(deltas, weights, eps=d.eps, max_iter=d.max_iter),
-        }
-        value = rules[d.name]()
-        return [layout.with_delta(u, value) for u in uploads]
 
     def _central_dp(
         self,
         server: State,
-        layout_of: tuple[Layout, Payload],
         deltas: Tensor,
         uploads: list[Upload],
         info: RoundInfo,
         metrics: dict[str, float],
-    ) -> tuple[list[Upload], Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         """DP-FedAvg: (Σ clip_C(Δ_k) + N(0, (z·S·C)²)) / m, S = 2 (replace-one) or 1 (add/remove), m the
-        fixed (expected, under Poisson sampling) clients per round, every upload carrying it with weight 1
-        and the broadcast's integer arrays; with adaptive clipping the next C from the noisy share of
+        fixed (expected, under Poisson sampling) clients per round: the update that replaces the mean (whose
+        integer arrays are the broadcast's); with adaptive clipping the next C from the noisy share of
         unclipped updates (Andrew et al. Alg. 1)."""
         plan, privacy = self.security, self.security.privacy
-        layout, broadcast = layout_of
         clip = (
             server[CLIP_KEY] if CLIP_KEY in server else torch.tensor(float(privacy.clip), dtype=torch.float64)
         )
@@ -329,7 +311,7 @@ class SecuredAlgorithm(Algorithm):
             noisy = float(within.sum()) + count_noise(ad, m) * draw
             share = noisy / m
             clip = clip * math.exp(-ad.lr * (share - ad.quantile))  # Andrew et al. Eq. (3): C ← C·e^{−η(b̃−γ)}
-        return [layout.with_delta(u, value, num_samples=1, public=broadcast) for u in uploads], clip
+        return value, clip
 
 
 def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorithm]:
@@ -340,6 +322,8 @@ def secured(algorithm_cls: type[Algorithm], plan: SecurityPlan) -> type[Algorith
     attrs: dict[str, Any] = {"security": plan, "__module__": __name__, "name": algorithm_cls.name}
     if plan.privacy.mechanism != "none":  # no sample counts, no losses: the mechanism needs neither, and
         attrs["discloses_client_statistics"] = False  # under local DP the server is not trusted
-    if plan.attack.name in DATA_ATTACKS:
+    if plan.touches_uploads:  # the server replaces the mean: the engine cannot fold it
+        attrs["mean_aggregation"] = False
+    if poisons_data(plan.attack):
         attrs["loss_reads"] = algorithm_cls.loss_reads | {"derived"}
     return type(f"Secured{algorithm_cls.__name__}", (SecuredAlgorithm, algorithm_cls), attrs)

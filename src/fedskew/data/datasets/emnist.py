@@ -51,7 +51,7 @@ def emnist_balanced(
     """EMNIST Balanced, 28x28 grayscale, 47 classes, 112,800/18,800 (<root>/emnist, orientation fixed).
 
     ``letters_only`` keeps the 37 letter classes (labels 10..46 -> 0..36): FedEnt's "EMNIST-L"
-    (37 x 2,400 / 400, the counts of FedEnt §6.1.1; docs/decisions.md, "FedEnt: EMNIST-L").
+    (37 x 2,400 / 400, the counts of FedEnt §6.1.1; docs/methods/fedent.md, "FedEnt: EMNIST-L").
     """
     xtr, ytr, xte, yte = idx_dataset(
         "emnist_balanced",

@@ -26,7 +26,7 @@ def longtail(
     Class c keeps ``n_c = ⌊n_max · ρ^(−c/(C−1))⌋`` random samples (head = class 0, ``ρ = n_max/n_min``);
     ``n_max`` defaults to the smallest class size, so the profile is exact on any dataset. The kept pool is
     then split by ``then`` (e.g. ``{"name": "dirichlet", "alpha": 0.2}``, FedSKC's CIFAR-10-LT setting:
-    subsample first, then partition; docs/decisions.md, "FedSKC: long-tailed partition order"). The test
+    subsample first, then partition; docs/methods/fedskc.md, "FedSKC: long-tailed partition order"). The test
     set is left balanced.
     """
     y = check_labels(labels, num_clients, num_classes, "longtail")

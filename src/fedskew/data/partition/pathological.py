@@ -131,7 +131,7 @@ def nway_kshot(
     Client i holds ``n_i ~ U{max(2, n−stdev), …, min(C−1, n+stdev)}`` classes (uniform integers, as the
     FedProto code; the lower bound 2 and upper bound C−1 are the code's clips), drawn uniformly without
     replacement, and ``k_i`` samples of each. ``shot_noise``: ``uniform`` ``k_i ~ U{k−stdev+1, …, k+stdev}``
-    (default; FedProto's CIFAR-10/FEMNIST code; docs/decisions.md, "FedProto: noise on n and k"),
+    (default; FedProto's CIFAR-10/FEMNIST code; docs/methods/fedproto.md, "FedProto: noise on n and k"),
     ``mnist_code`` ``U{k−stdev+1, …, k+stdev−2}`` (FedProto's MNIST code path, empty for stdev < 2),
     ``gaussian`` ``round(N(k, stdev²))`` or ``none`` (exactly k). Samples are drawn without replacement
     across clients; the rest stay unused. If a draw asks for more samples of a class than exist, the draw is
