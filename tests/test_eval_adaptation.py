@@ -102,8 +102,9 @@ def test_evaluation_commits_nothing_and_scores_the_same_twice(name):
     assert all(sim.client_state(c) == {} for c in range(6))  # fresh adaptation keeps no per-client state
 
 
-def test_fresh_fine_tuning_beats_scoring_a_stale_one_round_later():
-    """The point of item 5: after round 1, the fresh fine-tune of w_2 vs the kept fine-tune of w_1."""
+def test_fresh_fine_tuning_scores_another_model_than_the_stale_one():
+    """The point of item 5: after round 1, the fresh fine-tune of w_2, not the kept fine-tune of w_1 (which is
+    better is data-dependent; docs/methods/personalized.md has the measured comparison)."""
     fresh = build_simulation(build_config(tiny_config("fedavg_ft", rounds=1)))
     raw = tiny_config("fedavg_ft", rounds=1)
     raw["algorithm"]["eval_finetune"] = "stale"
@@ -111,6 +112,26 @@ def test_fresh_fine_tuning_beats_scoring_a_stale_one_round_later():
     a, b = fresh.run_round().record, stale.run_round().record
     assert a["train_loss"] == b["train_loss"]  # the same training
     assert a["accuracy"] != b["accuracy"]  # another model scored
+
+
+@pytest.mark.parametrize("name", ["fedavg_ft", "perfedavg"])
+def test_adapting_at_evaluation_leaves_the_training_streams_alone(name):
+    """Evaluating every round (adapting each time, with its own seeded stream) or only at the end trains the
+    same bits: the run's random streams never see the adaptation."""
+
+    def run(every: int) -> list[dict]:
+        raw = tiny_config(name, rounds=3)
+        raw["eval"] = {"protocol": "personalized", "every": every}
+        sim = build_simulation(build_config(raw))
+        try:
+            return [r for r in (sim.run_round().record for _ in range(3)) if r is not None]
+        finally:
+            sim.close()
+
+    each, last = run(1), run(3)
+    assert len(each) == 3 and len(last) == 1
+    same = ("round", "train_loss", "accuracy", "loss")
+    assert {k: each[-1][k] for k in same} == {k: last[-1][k] for k in same}
 
 
 def _modes(name: str, mode: str, workers: int) -> list[dict]:

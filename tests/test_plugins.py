@@ -335,3 +335,17 @@ def test_a_method_dataset_and_model_plugin_run_on_a_loopback_flower_deployment(t
     for a, b in zip(rows["flower"], rows["embedded"], strict=True):
         assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-6)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_a_registered_class_cannot_be_renamed_by_registering_it_again():
+    """A plugin registering a built-in class under a second name would rename the built-in (the registry sets
+    ``cls.name``): refused in one line, the built-in keeps its name and the alias is not registered."""
+    fedavg = ALGORITHMS.get("fedavg")
+    with pytest.raises(ConfigError, match="registered as 'fedavg' already") as err:
+        ALGORITHMS.register("my_alias")(fedavg)
+    assert "\n" not in str(err.value)
+    assert fedavg.name == "fedavg" and "my_alias" not in ALGORITHMS
+    alias = type("Alias", (fedavg,), {"__doc__": "FedAvg under another name."})
+    with ALGORITHMS.restored():
+        ALGORITHMS.register("my_alias")(alias)  # a subclass may take a new name
+        assert alias.name == "my_alias" and fedavg.name == "fedavg"

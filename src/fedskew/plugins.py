@@ -62,7 +62,7 @@ _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 #: what each loaded plugin registered, by key (a .py file's resolved path, a module's name)
 _LOADED: dict[str, list[tuple[Registry[Any], str, Any]]] = {}
-_state = {"builtins": False, "entry_points": False}
+_state: dict[str, Any] = {"builtins": False, "entry_points": False, "failure": None}
 
 
 def registry_of(group: str) -> Registry[Any]:
@@ -86,9 +86,19 @@ def prepare() -> None:
 def load_entry_points() -> None:
     """Import every installed entry point of :data:`GROUPS` (once per process) and check that each
     registered the name it is listed under."""
+    if _state["failure"] is not None:  # a broken entry point fails every later call too (not a partial set)
+        raise ConfigError(_state["failure"])
     if _state["entry_points"]:
         return
-    _state["entry_points"] = True  # a failure below is reported once, not again for every config
+    try:
+        _load_entry_points()
+    except ConfigError as err:
+        _state["failure"] = str(err)
+        raise
+    _state["entry_points"] = True
+
+
+def _load_entry_points() -> None:
     for group in GROUPS:
         registry = registry_of(group)
         for ep in importlib.metadata.entry_points(group=group):

@@ -187,9 +187,10 @@ class EngineSection(Strict):
     state_memory_mb: float = Field(
         64.0,
         gt=0,
-        description="memory for the clients' committed states (personal models, control variates, ...); "
-        "the least recently trained beyond it wait on disk (<out>/client-states, or a temporary folder under "
-        "$FEDSKEW_CACHE) and are read back exactly",
+        description="memory for the clients' committed states (personal models, control variates, ...) and, "
+        "separately, as much again for the server's per-client tables (FedFomo, FedPAC); the least recently "
+        "trained beyond it wait on disk (<out>/client-states, or a temporary folder under $FEDSKEW_CACHE) "
+        "and are read back exactly",
     )
     memory_format: Literal["auto", "contiguous", "channels_last"] = Field(
         "auto",

@@ -76,7 +76,7 @@ def contract_config(name: str, rounds: int = 2, **engine: Any) -> dict[str, Any]
         "data": {"dataset": "digits", "num_clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5}},
         "model": {"name": "mlp_mpfedcl", "hidden": 32, "embed_dim": 16},
         "client": {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5, "fraction": 0.67},
-        "eval": {"protocol": "personalized" if alg.requires_personalized_eval else "global", "every": 1},
+        "eval": {"protocol": "personalized" if alg.personalized_eval else "global", "every": 1},
         "engine": {"mode": "sequential", "workers": 1, **engine},
         "checkpoint": {"every": 1},
     }

@@ -33,7 +33,7 @@ Rules every hook follows (checked for every registered algorithm by the contract
 * **No state on self.** Everything an algorithm derives from the federation is computed from the
   :class:`Context` it is constructed with; a hook never changes the algorithm object, except the caches it
   declares in :attr:`Algorithm.working_buffers` (values that are pure functions of the context); the
-  engine refuses a round whose hooks added any other attribute.
+  embedded engine refuses a round whose hooks, run in its own process, added any other attribute.
 * **Round information is given.** Hooks receive a :class:`RoundInfo`; algorithms never count rounds nor send
   the round number over the network. Diagnostics travel in :attr:`ServerUpdate.metrics` and an upload's
   ``metrics``, per-round client values in :attr:`LocalPlan.derived`: neither is persisted.
@@ -127,8 +127,16 @@ class AlgorithmRegistry(Registry):
         add = super().register(name)
 
         def deco(cls: Any) -> Any:
+            own = vars(cls).get("name")  # a class registered already (not a subclass inheriting its name)
+            if own and own != name and own in self.names() and self.get(own) is cls:
+                label = getattr(cls, "__qualname__", repr(cls))
+                raise ConfigError(
+                    f"algorithm class {label} is registered as '{own}' already; subclass it to register it "
+                    f"as '{name}'"
+                )
+            add(cls)  # refuses a taken name before the class is touched
             cls.name = name
-            return add(cls)
+            return cls
 
         return deco
 

@@ -129,7 +129,8 @@ def finetune_plan(alg: Algorithm, p: FineTuneParams, round_idx: int, model: nn.M
     times the round's factor, as the engine computes it)."""
     heads = frozenset(head_filter(model, alg.name)) if p.finetune == "head" else None
     cfg = alg.ctx.client
-    round_lr = cfg.lr * cfg.round_lr_scale(round_idx, alg.ctx.rounds)
+    # before round 1 (an evaluation of the initial model) the rate of round 1, not lr / decay
+    round_lr = cfg.lr * cfg.round_lr_scale(max(round_idx, 1), alg.ctx.rounds)
     return FineTune(
         epochs=p.finetune_epochs,
         lr=p.finetune_lr if p.finetune_lr is not None else round_lr,

@@ -182,7 +182,7 @@ def load_eval_weights(
         return
     view = LazyClientView(info.cid, read_client)
     step = LocalStep(model=model, payload=payload, state=state, client=view, info=info)
-    device = next(iter(model.state_dict().values())).device
+    device = next(iter(model.state_dict().values()), torch.empty(0)).device  # a model without weights: CPU
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
         seed_torch(derive_seed(info.seed, info.round, info.cid, ADAPT_KEY), device)
         adapted = algorithm.adapt_for_eval(step)

@@ -98,7 +98,7 @@ class TableStore:
             path = self.folder() / name
             try:
                 size = write_file(path, dict(row))
-            except OSError as err:
+            except Exception as err:  # any write failure keeps the row in memory: the round still commits
                 log.warning("cannot spill server-table rows to '%s' (%s); keeping them in memory", path, err)
                 break
             self._files.add(name)

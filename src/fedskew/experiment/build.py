@@ -30,7 +30,7 @@ from fedskew.engine.sampling import client_schedule, clients_per_round
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.table_store import TableStore
 from fedskew.errors import ConfigError
-from fedskew.experiment.checks_method import check_model_layouts
+from fedskew.experiment.checks_method import check_declared_mean, check_model_layouts
 from fedskew.experiment.config import Config, VisionLanguageConfig, parse_client_range
 from fedskew.models.base import MODELS
 from fedskew.models.frozen import frozen_features
@@ -157,6 +157,7 @@ def algorithm_of(cfg: Config, meta: ClientMeta) -> tuple[Algorithm, ModelCache]:
     device = resolve_device(cfg.engine.device)
     build_model, arch_key = model_builders(cfg, meta)
     fmt = memory_format(cfg.engine.memory_format, device, cfg.engine.mode)
+    check_declared_mean(ALGORITHMS.get(cfg.algorithm.name))  # the method's own declaration, before security
     alg_cls = secured(ALGORITHMS.get(cfg.algorithm.name), security_of(cfg, meta.num_classes))
     check_model_layouts(alg_cls, meta.num_clients, build_model, arch_key)
     spec = ModelSpec(build_model, arch_key, device, fmt, cfg.seed)

@@ -51,3 +51,16 @@ def check_model_layouts(
                 f"'{alg_cls.name}' averages one architecture; allowed: per-client options that keep every "
                 f"shape, or a method with heterogeneous_models ({allowed})"
             )
+
+
+def check_declared_mean(alg_cls: type[Algorithm]) -> None:
+    """``mean_aggregation`` (the default) says the method's aggregation is the engine's weighted mean followed
+    by ``server_step``: the engine then computes that mean itself (folded as uploads arrive) and never calls
+    ``aggregate``. A method that overrides ``aggregate`` while declaring it would have its own rule skipped in
+    folded rounds and used in the others; refused with one line before round 1."""
+    if alg_cls.mean_aggregation and alg_cls.aggregate is not Algorithm.aggregate:
+        raise ConfigError(
+            f"algorithm '{alg_cls.name}' overrides aggregate but declares mean_aggregation (the default), so "
+            "the engine would compute the mean and skip it; put the server's step in server_step (and the "
+            "weights in mean_weights), or declare mean_aggregation = False"
+        )
