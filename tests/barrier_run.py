@@ -126,6 +126,8 @@ def _install(specs: dict[str, Any] | list[dict[str, Any]]) -> contextlib.ExitSta
 def _held(cls: type, spec: dict[str, Any]) -> type:
     """``cls`` with its hook ``spec["hook"]`` held at the barrier ``spec``."""
     folder, hook, cids = Path(spec["folder"]), spec["hook"], spec["cids"]
+    if hook == "aggregate" and cls.mean_aggregation:  # the engine computes a mean method's mean itself
+        hook = "server_step"  # (aggregate may never run): hold its server step, which every round runs
     released = folder / "release"
 
     def due(info: Any) -> bool:
@@ -139,8 +141,12 @@ def _held(cls: type, spec: dict[str, Any]) -> type:
         return True
 
     def wrapped(self: Any, *args: Any) -> Any:
-        # server hooks end with their RoundInfo (broadcast, aggregate); client hooks take a LocalStep first
-        info = args[-1] if hook in ("broadcast", "aggregate") else args[0].info
+        # server hooks end with their RoundInfo (broadcast, aggregate) or MeanInfo (server_step); client hooks
+        # take a LocalStep first
+        if hook == "server_step":
+            info = args[-1].round
+        else:
+            info = args[-1] if hook in ("broadcast", "aggregate") else args[0].info
         if due(info):
             (folder / str(os.getpid())).touch()
             # short sleeps: a signal that arrives before the wait is still acted on
