@@ -178,9 +178,10 @@ def _fedskew(args: list[str], cwd: Path, site: Path) -> subprocess.CompletedProc
     )
 
 
-def test_installed_entry_points_run_through_fedskew_run_and_a_two_worker_sweep(tmp_path):
+def test_installed_entry_points_run_embedded_in_a_two_worker_sweep_and_on_a_flower_deployment(tmp_path):
     """A method, a dataset and a model installed as a package (entry points, no ``plugins:`` key) run in
-    ``fedskew run`` and in a sweep's spawned worker processes, which load the entry points themselves."""
+    ``fedskew run``, in a sweep's spawned worker processes and on a loopback Flower deployment's processes,
+    each of which loads the entry points itself."""
     site = tmp_path / "site"
     shutil.copytree(EXAMPLE, site / "h1_pkg")
     (site / "h1_pkg" / "__init__.py").write_text("")
@@ -205,6 +206,13 @@ def test_installed_entry_points_run_through_fedskew_run_and_a_two_worker_sweep(t
     assert len(summaries) == 2 and all(json.loads(p.read_text())["status"] == "finished" for p in summaries)
     listed = _fedskew(["list"], tmp_path, site)
     assert {"fedavg_slr", "tiny_blobs", "tiny_mlp"} <= set(listed.stdout.split())
+    # the Flower loopback deployment: its ServerApp and SuperNodes are other processes that find the entry
+    # points on their own (the environment's PYTHONPATH), with no plugins key
+    deployed = ["--set", "engine.runtime=flower-deployment", "--set", "engine.nodes=2", "--out", "flower"]
+    done = _fedskew(["run", "c.yaml", *deployed], tmp_path, site)
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = [json.loads((tmp_path / f / "summary.json").read_text())["final"] for f in ("out", "flower")]
+    assert final[1]["accuracy"] == pytest.approx(final[0]["accuracy"], rel=1e-5)
 
 
 def test_an_entry_point_that_registers_another_name_is_refused(tmp_path):
