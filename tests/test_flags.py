@@ -136,3 +136,36 @@ def test_working_buffers_are_the_only_attributes_a_hook_may_add() -> None:
                     assert sim.round == 0  # nothing committed
             finally:
                 sim.close()
+
+
+class _ZeroedClients(Algorithm):
+    """FedAvg whose per-client evaluation weights are all zeros (a client's ``state`` is not ``None``)."""
+
+    def eval_weights(self, payload, state):  # type: ignore[no-untyped-def]
+        weights = dict(payload.model_state())
+        return weights if state is None else {k: torch.zeros_like(v) for k, v in weights.items()}
+
+
+def test_personalized_eval_decides_whether_clients_are_scored_with_their_own_weights() -> None:
+    """The evaluators read ``personalized_eval``: without it, the personalized protocol scores the global
+    model on each client's test split (per-client ``eval_weights`` are never asked for); with it, each
+    client's own weights."""
+
+    def accuracy(personal: bool) -> float:
+        cls = type("Zeroed", (_ZeroedClients,), {"personalized_eval": personal})
+        with ALGORITHMS.replaced("fedavg", cls):
+            raw = digits_config(rounds=1, eval={"protocol": "personalized", "every": 1})
+            sim = build_simulation(build_config(raw))
+            try:
+                return float(sim.run_round().record["accuracy"])
+            finally:
+                sim.close()
+
+    with ALGORITHMS.replaced("fedavg", type("Plain", (Algorithm,), {})):
+        sim = build_simulation(build_config(digits_config(rounds=1, eval={"protocol": "personalized"})))
+        try:
+            fedavg = float(sim.run_round().record["accuracy"])
+        finally:
+            sim.close()
+    assert accuracy(False) == fedavg > 0.3  # the global model, per client
+    assert accuracy(True) < 0.2  # the zeroed weights: one constant class
