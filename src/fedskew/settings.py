@@ -112,6 +112,11 @@ class EvalSection(Strict):
         description="evaluation batch size (default: 128 on CPU, where a CNN's activations stay in cache, "
         "1024 on a GPU); results do not depend on it",
     )
+    per_class: bool = Field(
+        False,
+        description="also log accuracy_classes: per class, the test accuracy on that class's test samples "
+        "(null: none; personalized: each client's own model, samples pooled); embedded runtime only",
+    )
 
 
 class NodeDataSection(Strict):

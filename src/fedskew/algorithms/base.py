@@ -256,6 +256,9 @@ class Algorithm:
     #: a client's upload carries its sample count and training loss; ``False`` (DP runs: the mechanism needs
     #: neither, and under local DP the server is not trusted): every upload counts 1 and reports no loss
     discloses_client_statistics: ClassVar[bool] = True
+    #: a client's update stays meaningful when it trains fewer steps than planned (FedProx's γ-inexact
+    #: solutions, FedNova's heterogeneous τ_i): the virtual clock's ``late: partial`` is allowed
+    partial_work: ClassVar[bool] = False
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params

@@ -78,6 +78,7 @@ class FedNova(Algorithm):
 
     reads_client_scalars = True  # τ_eff from each client's ‖a_i‖₁ (Eq. 6): refused under DP
     loss_reads = frozenset({"payload"})  # the proximal anchor (mu > 0)
+    partial_work = True  # Wang et al. 2020: τ_i differ across clients; normalised by ‖a_i‖₁ (Eq. 6)
 
     class Params(HyperParams):
         mu: float = Field(

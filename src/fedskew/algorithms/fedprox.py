@@ -32,6 +32,7 @@ class FedProx(Algorithm):
     """FedProx (Li et al. 2020): FedAvg plus a proximal term μ/2‖w − w_global‖² in the local loss."""
 
     loss_reads = frozenset({"payload", "state", "derived"})
+    partial_work = True  # Li et al. 2020 §3: variable local work per device, γ-inexact solutions (Def. 2)
 
     class Params(HyperParams):
         mu: float = Field(

@@ -94,6 +94,12 @@ def report(
         None, "--target", help="add rounds-to-target: the first round each run reaches this accuracy"
     ),
     html: Path | None = typer.Option(None, "--html", help="also write one self-contained HTML page here"),
+    x: str = typer.Option(
+        "round",
+        "--x",
+        help="the accuracy figure's x axis: round, or virtual_time (runs with a clock: section; each "
+        "seed's curve and their mean up to the shortest run's end)",
+    ),
 ) -> None:
     """The table of final metrics (mean ± std over seeds) as Markdown, LaTeX or CSV, optionally the
     seed-paired differences to a baseline group with 95% t-intervals, the accuracy-vs-round and per-client
@@ -101,7 +107,7 @@ def report(
     from fedskew.experiment.reporting import ReportRequest, make_report
 
     request = ReportRequest(
-        list(dirs), fmt, metrics, target, paired, metric, last, _report_paths(dirs, out, plot), html=html
+        list(dirs), fmt, metrics, target, paired, metric, last, _report_paths(dirs, out, plot), html=html, x=x
     )
     result = make_report(request)
     typer.echo(result.text.rstrip("\n") + "\n")  # plain: tables must not be wrapped

@@ -120,21 +120,29 @@ def finish_client(
     out.accept(Upload(cid=client.cid, num_samples=n, payload=done.upload))
     out.state = tree_to(done.state, "cpu")
     out.loss = result.loss if discloses else math.nan
+    out.steps = result.steps
     return out
 
 
 def train_client(
-    rt: ClientRuntime, cid: int, round_idx: int, payload: Payload, state: State, check: bool = True
+    rt: ClientRuntime,
+    cid: int,
+    round_idx: int,
+    payload: Payload,
+    state: State,
+    check: bool = True,
+    max_steps: int | None = None,
 ) -> ClientOutcome:
     """Local training of client ``cid`` in round ``round_idx`` from ``payload`` and its (CPU) ``state``. A
     client that raises fails the round with a :class:`ClientError` naming it, or under
     ``on_client_error=drop`` is dropped (a rejected outcome, logged): :mod:`fedskew.engine.policy`. A
-    ContractError is always raised. ``check=False``: the upload's finiteness is left to the folded mean."""
+    ContractError is always raised. ``check=False``: the upload's finiteness is left to the folded mean.
+    ``max_steps``: stop local training after that many steps (the virtual clock's partial work)."""
     try:
         model = rt.models.model_for(cid)
         client = prepare_client(rt, model, cid, round_idx, payload, tree_to(state, rt.device))
         try:
-            result = run_phases(model, rt.algorithm, client, rt.client, rt.precision)
+            result = run_phases(model, rt.algorithm, client, rt.client, rt.precision, max_steps)
         except NonFiniteLoss as err:
             log.warning("round %d: rejected update: %s", round_idx, err)
             return ClientOutcome.received(cid, payload)
@@ -153,10 +161,13 @@ def run_phases(
     client: PreparedClient,
     cfg: ClientSection,
     precision: str = "fp32",
+    max_steps: int | None = None,
 ) -> LocalResult:
     """The client's schedule (:func:`~fedskew.engine.schedule.local_schedule`) of mini-batch steps of
     ``client.optimizer`` (:mod:`fedskew.engine.optimizers`) on ``model`` over the client's tensors; the loss
-    under ``engine.precision``. Raises :class:`NonFiniteLoss` after an epoch whose loss is NaN/Inf."""
+    under ``engine.precision``. Raises :class:`NonFiniteLoss` after an epoch whose loss is NaN/Inf.
+    ``max_steps``: the schedule is cut after that many steps (partial work: FedProx's inexact solution,
+    FedNova's heterogeneous tau_i); the loss reported is the cut epoch's."""
     step, view = client.step.replace(model=model), client.step.client
     model.train()
     named = list(model.named_parameters())
@@ -180,9 +191,13 @@ def run_phases(
                 opt.step()
                 totals.add(loss, idx.numel())
                 steps += 1
+                if steps == max_steps:
+                    break
             last_loss = totals.means()[0]
             if not totals.finite()[0]:
                 raise NonFiniteLoss(f"client {view.cid}: non-finite training loss in epoch {spec.epoch}")
+            if steps == max_steps:
+                break
     finally:
         for _, p in named:
             p.requires_grad_(True)

@@ -202,6 +202,18 @@ def segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tenso
     return sums.index_add_(0, segment_ids, values.double())
 
 
+def class_accuracy(correct: Tensor, y: Tensor, num_classes: int) -> list[float | None]:
+    """Per class ``c < num_classes``, the share of the samples labelled ``c`` that ``correct`` marks right
+    (``None``: no such sample): ``accuracy_classes``, what a deadline that drops the rare classes' clients
+    costs those classes (issue 55). Two ``bincount``s, no loop over samples; the per-class counts weighted by
+    the class sizes sum to ``accuracy``'s count exactly. On the CPU: a CUDA ``bincount`` with weights has
+    no deterministic kernel (``engine.deterministic``), and a test set's labels are small."""
+    y = y.cpu()
+    total = torch.bincount(y, minlength=num_classes)[:num_classes]
+    hits = torch.bincount(y, weights=correct.cpu().double(), minlength=num_classes)[:num_classes]
+    return [float(h / t) if t else None for h, t in zip(hits.tolist(), total.tolist(), strict=True)]
+
+
 def _identity(x: Tensor) -> Tensor:
     return x
 
@@ -220,6 +232,8 @@ class EvalData:
     x_val: Tensor
     y_val: Tensor
     val_idx: list[Tensor]
+    #: the dataset's classes (``accuracy_classes`` has one entry each, a class absent from the test set too)
+    num_classes: int = 0
 
     @classmethod
     def of(cls, data: FederatedData, device: torch.device) -> EvalData:
@@ -241,6 +255,7 @@ class EvalData:
             x_val=ds.normaliser()(ds.x_train[pool]).to(device),
             y_val=ds.y_train[pool].to(device),
             val_idx=[torch.searchsorted(pool, v).to(device) for v in val],
+            num_classes=ds.num_classes,
         )
 
 
@@ -249,7 +264,9 @@ class Evaluator:
 
     ``clients``: the clients' training data, which evaluation-time adaptation reads
     (:meth:`~fedskew.algorithms.base.Algorithm.adapt_for_eval`; ``None``: no adaptation, as a server that
-    holds no training sample)."""
+    holds no training sample). ``per_class`` (``eval.per_class``): the test record also holds
+    ``accuracy_classes`` (:func:`class_accuracy` of the primary head; ``personalized``: every client's
+    own-model scores of its own test samples, pooled)."""
 
     def __init__(
         self,
@@ -261,10 +278,11 @@ class Evaluator:
         seed: int,
         precision: str = "fp32",
         clients: ClientData | None = None,
+        per_class: bool = False,
     ) -> None:
         self.algorithm, self.models, self.data = algorithm, models, data
         self.protocol, self.batch_size, self.seed = protocol, batch_size, seed
-        self.precision, self.clients = precision, clients
+        self.precision, self.clients, self.per_class = precision, clients, per_class
 
     def evaluate(self, server: State, state_of: Callable[[int], State], round_idx: int) -> dict[str, Any]:
         """The record of ``server`` and the clients' states (``state_of(cid)``, CPU) after ``round_idx``."""
@@ -343,19 +361,30 @@ class _Scorer:
         return out
 
     def split(self, sp: _Split, k: int) -> dict[str, Any]:
-        """The record of split ``k``: the global protocol when ``sp.idx`` is None, else per client."""
+        """The record of split ``k`` (the test split, ``k == 0``, with ``accuracy_classes`` where asked)."""
+        record, correct, labels = self.scored(sp, k)
+        ev = self.ev
+        if k == 0 and ev.per_class:
+            record["accuracy_classes"] = class_accuracy(correct, labels, ev.data.num_classes)
+        return record
+
+    def scored(self, sp: _Split, k: int) -> tuple[dict[str, Any], Tensor, Tensor]:
+        """The record of split ``k`` (the global protocol when ``sp.idx`` is None, else per client), with the
+        primary head's per-sample correctness and the labels it was scored against."""
         x, y, client_idx, to_float = sp.x, sp.y, sp.idx, sp.to_float
         if client_idx is None:
             s = self.score(None, x, y, to_float)
             heads = list(s.correct)
-            return summarize(
+            record = summarize(
                 {h: c.double().mean().view(1) for h, c in s.correct.items()}, float(s.loss.mean()), heads
             )
+            return record, s.correct[heads[0]], y
         n = len(client_idx)
         sizes = torch.tensor([len(i) for i in client_idx], device=x.device)
         if not bool((sizes > 0).any()):  # no client has samples: nothing to score
             zero = torch.zeros(n, dtype=torch.float64)
-            return client_summary({"logits": zero}, zero, sizes.cpu(), ["logits"])
+            record = client_summary({"logits": zero}, zero, sizes.cpu(), ["logits"])
+            return record, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long)
         seg = torch.repeat_interleave(torch.arange(n, device=x.device), sizes)
         if self.personal is not None:  # a client without samples adds none (and is not scored)
             parts = self.personal[k]
@@ -367,4 +396,5 @@ class _Scorer:
             correct = {h: c[inverse] for h, c in s.correct.items()}
             loss = s.loss[inverse]
         sums = {h: segment_sum(c, seg, n) for h, c in correct.items()}
-        return client_summary(sums, segment_sum(loss, seg, n), sizes, list(correct))
+        record = client_summary(sums, segment_sum(loss, seg, n), sizes, list(correct))
+        return record, next(iter(correct.values())), y[torch.cat(client_idx)]  # in client order, as scored

@@ -83,6 +83,7 @@ def train_sequential(rt: ClientRuntime, job: RoundJob, cids: list[int]) -> list[
             alg.broadcast(job.server, RoundInfo(job.round, cid, rt.seed)),
             job.states[cid],
             check=not job.folded,
+            max_steps=job.step_limits.get(cid),
         )
         for cid in cids
     ]

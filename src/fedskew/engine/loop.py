@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fedskew.algorithms.base import Algorithm, ContractError, MeanInfo, Payload, RoundInfo, State
+from fedskew.engine.clock import RoundTiming, Selection, VirtualClock
 from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.folding import FoldingExecutor, folds_uploads
@@ -105,8 +106,11 @@ class Simulation:
         evaluator: RoundEvaluator,
         states: ClientStates,
         tables: TableStore | None = None,
+        clock: VirtualClock | None = None,
     ) -> None:
         self.algorithm, self.server, self.plan = algorithm, server, plan
+        # the virtual clock (fedskew.engine.clock): who is sampled, who makes the round, virtual time
+        self.clock, self.now = clock, 0.0
         self.executor, self.evaluator, self.states = executor, evaluator, states
         # the server state's per-client tables (spilled beyond a budget; checkpointed as plain data)
         self.tables = tables if tables is not None else TableStore(device=plan.device)
@@ -114,7 +118,10 @@ class Simulation:
         self.every, self.seed = plan.every, plan.seed
         # the method's mean folded as uploads arrive, where it declares a mean and the executor can
         self.folding = (
-            plan.fold_uploads and folds_uploads(algorithm) and isinstance(executor, FoldingExecutor)
+            plan.fold_uploads
+            and folds_uploads(algorithm)
+            and isinstance(executor, FoldingExecutor)
+            and not (clock is not None and clock.cfg.cuts_after_training)  # the fold needs every client
         )
         self.folded_rounds = 0  # rounds whose mean was folded (the others aggregated the held uploads)
         # rule 2, "no state on self": what a hook may add to the algorithm object (Algorithm.working_buffers)
@@ -140,15 +147,18 @@ class Simulation:
         """Run the next round; evaluates when ``round % eval.every == 0`` or at the last round. Commits the
         server state, client states, counters and record together, once everything succeeded."""
         r = self.round + 1
-        cids = self.schedule[r - 1].tolist()
+        selection = self.sample(r)
+        cids = selection.train
         t0 = time.perf_counter()
-        job = RoundJob(r, cids, self.server, JobStates(self.states, cids))
+        job = RoundJob(r, cids, self.server, JobStates(self.states, cids), step_limits=selection.step_limits)
         mean = None
         if self.folding:
             folded = cast(FoldingExecutor, self.executor).train_folded(job)
             outcomes, mean = folded.outcomes, folded.mean
         else:
             outcomes = self.executor.train(job)
+        timing = None if self.clock is None else self.clock.settle(outcomes)
+        outcomes = outcomes if timing is None else timing.outcomes
         rejected = [o.cid for o in outcomes if o.upload is None and not o.dropped]
         check_rejected(self.plan.on_client_error, r, rejected)
         uploads = [o.upload for o in outcomes if o.upload is not None]
@@ -173,12 +183,14 @@ class Simulation:
         if r % self.every == 0 or r == self.rounds:
             record = self._record(r, server, states, outcomes, traffic)
             record.update({} if update is None else update.metrics)
+            record.update(self.clock_record(selection, timing))
             record = self.algorithm.released(record)
         t3 = time.perf_counter()
         check_no_state_on_self(self.algorithm, self.allowed_attributes)
         # commit (the store first: nothing else has changed if it raises)
         self.states.commit(r, states)
         self.server, self.round = self.tables.commit(r, server), r
+        self.now += 0.0 if timing is None else timing.seconds
         if not uploads:
             self.skipped.append(r)
         self.folded_rounds += mean is not None
@@ -191,6 +203,29 @@ class Simulation:
             record.update(seconds=t3 - t0, seconds_train=t1 - t0, seconds_eval=t3 - t2)
             self.history.append(record)
         return RoundOutcome(r, record, [o.cid for o in outcomes if o.upload is None])
+
+    def sample(self, r: int) -> Selection:
+        """Round ``r``'s clients: the pre-drawn row, or on the virtual clock its online sample less dropouts
+        (with step limits under ``late: partial``: the deadline less a round trip of the global payload)."""
+        if self.clock is None:
+            return Selection(self.schedule[r - 1].tolist(), [])
+        partial = None
+        if self.clock.cfg.deadline is not None and self.clock.cfg.late == "partial":
+            payload = self.algorithm.broadcast(self.server, RoundInfo(round=r, cid=None, seed=self.seed))
+            partial = 2.0 * payload.nbytes()
+        return self.clock.select(r, self.now, partial)
+
+    def clock_record(self, selection: Selection, timing: RoundTiming | None) -> dict[str, Any]:
+        """The clock's entries of a metrics record: the virtual time at the round's end, its length, the
+        clients cut by the deadline or over-selection and those that dropped out."""
+        if timing is None:
+            return {}
+        return {
+            "virtual_time": self.now + timing.seconds,
+            "round_seconds": timing.seconds,
+            "late": timing.late,
+            "dropped_out": selection.dropped_out,
+        }
 
     def _record(
         self,
@@ -243,6 +278,7 @@ class Simulation:
             "bytes_down": self.bytes_down,
             "times": self.times.__dict__.copy(),
             "skipped": list(self.skipped),
+            **({} if self.clock is None else {"virtual_time": self.now}),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -260,3 +296,4 @@ class Simulation:
         self.bytes_down = int(sd["bytes_down"])
         self.times = RoundTimes(**sd.get("times", {}))
         self.skipped = [int(r) for r in sd.get("skipped", [])]
+        self.now = float(sd.get("virtual_time", 0.0))

@@ -8,7 +8,7 @@ from fedskew.algorithms.security.randomness import poisson_sample, secret_sample
 from fedskew.seeding import derive_seed
 from fedskew.settings import PrivacySection
 
-__all__ = ["client_schedule", "clients_per_round", "derive_seed", "sampling_schedule"]
+__all__ = ["client_schedule", "clients_per_round", "derive_seed", "sampling_keys", "sampling_schedule"]
 
 #: a round's sampled clients, round by round (rows of one length, or of any length under Poisson sampling)
 Schedule = np.ndarray | list[np.ndarray]
@@ -27,9 +27,14 @@ def sampling_schedule(num_clients: int, fraction: float, rounds: int, seed: int)
     m = clients_per_round(num_clients, fraction)
     if m == num_clients:
         return np.tile(np.arange(num_clients, dtype=np.int64), (rounds, 1))
-    rng = np.random.default_rng(derive_seed(seed, 0x5A3B1E))
-    keys = rng.random((rounds, num_clients))
+    keys = sampling_keys(num_clients, rounds, seed)
     return np.sort(np.argpartition(keys, m - 1, axis=1)[:, :m], axis=1).astype(np.int64)
+
+
+def sampling_keys(num_clients: int, rounds: int, seed: int) -> np.ndarray:
+    """``[rounds, N]`` uniform keys, one row per round: a round samples the clients with the ``m`` smallest
+    keys (:func:`sampling_schedule`; on the virtual clock, among the online ones: fedskew.engine.clock)."""
+    return np.random.default_rng(derive_seed(seed, 0x5A3B1E)).random((rounds, num_clients))
 
 
 def client_schedule(

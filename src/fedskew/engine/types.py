@@ -29,6 +29,7 @@ class ClientOutcome:
     dropped: bool = False  # the runtime lost the client (its node did not reply in time); never rejected
     bytes_up: int = 0  # the accepted upload's traffic (kept when a folding executor drops its arrays)
     params_up: int = 0
+    steps: int = 0  # local optimizer steps taken (the virtual clock's compute time)
 
     def accept(self, upload: Upload) -> None:
         """Take ``upload`` as the client's accepted upload and count its traffic."""
@@ -53,6 +54,8 @@ class RoundJob:
     #: the uploads go into a folded mean (fedskew.engine.folding), whose one check of finiteness stands in
     #: for each upload's: a non-finite mean abandons the fold and the round trains again unfolded
     folded: bool = False
+    #: the virtual clock's ``late: partial``: at most this many local steps per client (sequential kind)
+    step_limits: Mapping[int, int] = field(default_factory=dict)
 
 
 def tree_to(obj: Any, device: torch.device | str) -> Any:

@@ -20,6 +20,8 @@ from fedskew.data.base import DATASETS, resolve_root
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.data.noise import with_feature_noise
 from fedskew.engine.assembly import ClientMeta, ModelSpec, client_data, construct_algorithm, initial_server
+from fedskew.engine.asynchronous import AsynchronousSimulation
+from fedskew.engine.clock import ClientSpeeds, VirtualClock, read_trace
 from fedskew.engine.device import resolve_device
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator, RoundEvaluator
 from fedskew.engine.loop import RoundPlan, Simulation
@@ -189,7 +191,10 @@ def evaluator(
     batch = cfg.eval.batch_size or EVAL_BATCH.get(device.type, EVAL_BATCH_OTHER)
     eval_data = EvalData.of(data, device)
     e = cfg.engine
-    return Evaluator(algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, e.precision, clients)
+    return Evaluator(
+        algorithm, models, eval_data, cfg.eval.protocol, batch, cfg.seed, e.precision, clients,
+        per_class=cfg.eval.per_class,
+    )  # fmt: skip
 
 
 def probed(cfg: Config, round_evaluator: RoundEvaluator, ev: Evaluator) -> RoundEvaluator:
@@ -249,7 +254,8 @@ def build_simulation(
     scorer = evaluator(cfg, algorithm, models, data, rt.data)  # rt.data: evaluation-time adaptation
     server = initial_server(algorithm, models, cfg.seed)
     states = SpillingStates(rt.initial_state, int(e.state_memory_mb * 2**20), states_dir)
-    return Simulation(
+    simulation = SIMULATIONS["sync" if cfg.clock is None else cfg.clock.aggregation]
+    return simulation(
         algorithm,
         server,
         round_plan(cfg, data.num_clients),
@@ -257,4 +263,23 @@ def build_simulation(
         evaluator=central(cfg, probed(cfg, scorer, scorer), algorithm, models, data),
         states=states,
         tables=TableStore(int(e.state_memory_mb * 2**20), states_dir, models.device),
+        clock=virtual_clock(cfg, data),
     )
+
+
+#: ``clock.aggregation`` -> the round transaction that runs it (synchronous rounds, or server updates)
+SIMULATIONS: dict[str, type[Simulation]] = {
+    "sync": Simulation,
+    "fedasync": AsynchronousSimulation,
+    "fedbuff": AsynchronousSimulation,
+}
+
+
+def virtual_clock(cfg: Config, data: FederatedData) -> VirtualClock | None:
+    """The run's virtual clock (``None`` without a ``clock:`` section): speeds drawn per seed or read from
+    the trace, slowed for the ``slow_classes`` clients (fedskew.engine.clock)."""
+    if cfg.clock is None:
+        return None
+    trace = read_trace(cfg.clock.trace, data.num_clients) if cfg.clock.trace else None
+    speeds = ClientSpeeds.build(cfg.clock, cfg.seed, data.class_counts().tolist(), trace)
+    return VirtualClock(cfg.clock, speeds, data.num_clients, cfg.client.fraction, cfg.rounds, cfg.seed)

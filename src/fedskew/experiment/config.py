@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
+from fedskew.engine.clock_config import ClockSection
 from fedskew.errors import ConfigError
 from fedskew.experiment.config_checks import check_node_source as check_node_source
 from fedskew.experiment.config_checks import parse_client_range as parse_client_range
@@ -105,9 +106,15 @@ class Config(Strict):
     attack: AttackSection = Field(default_factory=AttackSection)
     defence: DefenceSection = Field(default_factory=DefenceSection)
     privacy: PrivacySection = Field(default_factory=PrivacySection)
+    clock: ClockSection | None = Field(
+        None, description="speeds, availability, deadlines, async aggregation (docs/clock.md)"
+    )
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if out["clock"] is None:  # a run without the clock records what it always recorded
+            del out["clock"]
+        return out
 
 
 def read_saved_config(path: Path) -> dict[str, Any]:
@@ -135,6 +142,7 @@ def build_config(
     _node_clients(data)
     if "plugins" in data:
         data["plugins"] = resolve_plugins(data["plugins"], base)
+    resolve_trace(data, base)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -142,6 +150,14 @@ def build_config(
     load_plugins(cfg.plugins)
     validate_semantics(cfg)
     return cfg
+
+
+def resolve_trace(data: dict[str, Any], base: Path | None) -> None:
+    """``clock.trace`` made absolute (relative: under ``base``, the config file's folder), as recorded."""
+    clock = data.get("clock")
+    if isinstance(clock, dict) and isinstance(clock.get("trace"), str):
+        path = Path(clock["trace"]).expanduser()
+        clock["trace"] = str((path if path.is_absolute() else (base or Path.cwd()) / path).resolve())
 
 
 def _node_clients(raw: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
+from fedskew.experiment.clock_checks import check_clock
 from fedskew.registry import check_options
 from fedskew.runtimes import RUNTIMES
 
@@ -73,12 +74,10 @@ def validate_semantics(cfg: Config) -> None:
         check_options(model_fn, opts, _UNKNOWN.format(where=f"model.per_client.{rng}"), 2)
     alg = ALGORITHMS.get(cfg.algorithm.name)
     _check_hyper_parameters(alg, cfg)
-    if cfg.eval.protocol == "global" and alg.requires_personalized_eval:
-        raise ConfigError(
-            f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
-            "allowed: personalized"
-        )
-    _check_security(cfg, alg, [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation])
+    _check_eval(cfg, alg)
+    mean_methods = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation]
+    _check_security(cfg, alg, mean_methods)
+    check_clock(cfg, alg, mean_methods)
     if cfg.data.source == "nodes":
         check_node_source(cfg)
 
@@ -140,6 +139,20 @@ def _check_security(cfg: Config, alg: Any, eligible: list[str]) -> None:
     n = cfg.data.num_clients
     m = clients_per_round(n, cfg.client.fraction)
     security_plan(*sections, num_clients=n, per_round=m, rounds=cfg.rounds, seed=cfg.seed)
+
+
+def _check_eval(cfg: Config, alg: Any) -> None:
+    """The ``eval`` section against the method and the runtime."""
+    if cfg.eval.protocol == "global" and alg.requires_personalized_eval:
+        raise ConfigError(
+            f"config key 'eval.protocol': algorithm '{cfg.algorithm.name}' has no global model; "
+            "allowed: personalized"
+        )
+    if cfg.eval.per_class and cfg.engine.runtime != "embedded":  # the Flower nodes return no per-class sums
+        raise ConfigError(
+            f"config key 'eval.per_class': accuracy per class is measured by the embedded engine, not "
+            f"engine.runtime={cfg.engine.runtime}; allowed: false"
+        )
 
 
 def _check_hyper_parameters(alg: Any, cfg: Config) -> None:

@@ -22,6 +22,7 @@ from fedskew.errors import FedskewError
 from fedskew.experiment.config import RUNTIME_ONLY as CONFIG_RUNTIME_ONLY
 from fedskew.experiment.config import WATCH_ONLY, read_saved_config, results_config
 from fedskew.experiment.config_diff import flatten as flatten_config
+from fedskew.experiment.report_time import TIME_AXIS, XAxis, require_key
 from fedskew.experiment.runner import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 
@@ -126,7 +127,7 @@ RUNTIME_ONLY = (
     *WATCH_ONLY, *(f"{section}.{key}" for section, keys in CONFIG_RUNTIME_ONLY.items() for key in keys),
     "checkpoint", "data.root", "engine.workers", "engine.memory_mb", "engine.state_memory_mb",
     "engine.fold_uploads", "engine.max_skipped_share", "engine.round_timeout", "engine.ray_address",
-    "engine.runtime", "engine.nodes",
+    "engine.runtime", "engine.nodes", "eval.per_class",
 )  # fmt: skip
 #: keys the label itself shows (algorithm | dataset partition(args) | model), and the seed
 IN_LABEL = ("seed", "algorithm.name", "data.dataset", "data.partition", "model.name")
@@ -222,6 +223,31 @@ def mean_curve(group: Group, key: str) -> tuple[list[int], np.ndarray, np.ndarra
     return rounds, np.nanmean(table, 0), np.nanstd(table, 0)
 
 
+def draw_rounds(ax: Any, group: Group, key: str, scale: float, label: str) -> None:
+    """A group's mean curve over its rounds, shaded ± std over seeds (the ``--x round`` figure)."""
+    rounds, mean, std = mean_curve(group, key)
+    ax.plot(rounds, scale * mean, label=label, lw=1.6)
+    if len(group.runs) > 1:
+        ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), alpha=0.2)
+
+
+#: ``--x``: what the accuracy figure is drawn against
+X_AXES = {
+    "round": XAxis("round", "vs round: mean over seeds, band ± std", draw_rounds),
+    "virtual_time": TIME_AXIS,
+}
+
+
+def x_axis(name: str, groups: list[Group]) -> XAxis:
+    """The axis ``--x name`` once every run of ``groups`` logs what it needs (else one line naming the
+    first result folder without it)."""
+    axis = X_AXES.get(name)
+    if axis is None:
+        raise FedskewError(f"--x '{name}': unknown x axis; allowed: {', '.join(X_AXES)}")
+    require_key(f"--x {name}", axis.needs, groups, "; allowed for it: --x round")
+    return axis
+
+
 def plot_accuracy(
     groups: list[Group],
     path: str | Path,
@@ -229,21 +255,22 @@ def plot_accuracy(
     key: str = "accuracy",
     ylabel: str = "test accuracy (%)",
     scale: float = 100.0,
+    x: str = "round",
 ) -> Path:
-    """A per-round metric (test accuracy by default) vs round: mean over seeds, shaded ± std. Any
-    ``metrics.jsonl`` key works, e.g. ``key="loss", scale=1`` for the test loss."""
+    """A per-round metric (test accuracy by default) vs round (mean over seeds, shaded ± std) or, with
+    ``x="virtual_time"``, vs the virtual clock's time (each seed's curve, and their mean up to the shortest
+    run's end: :mod:`fedskew.experiment.report_time`). Any ``metrics.jsonl`` key works, e.g. ``key="loss",
+    scale=1`` for the test loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    axis = x_axis(x, groups)  # before any figure: an unknown axis or a run without its key is one line
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for g in groups:
-        rounds, mean, std = mean_curve(g, key)
-        ax.plot(rounds, scale * mean, label=f"{g.label.split(' | ')[0]} ({seeds_text(len(g.runs))})", lw=1.6)
-        if len(g.runs) > 1:
-            ax.fill_between(rounds, scale * (mean - std), scale * (mean + std), alpha=0.2)
-    ax.set_xlabel("round")
+        axis.draw(ax, g, key, scale, f"{g.label.split(' | ')[0]} ({seeds_text(len(g.runs))})")
+    ax.set_xlabel(axis.label)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -290,16 +317,20 @@ def select_group(groups: list[Group], name: str) -> Group:
 
 def run_value(run: RunResult, key: str = "accuracy", last: int = 0) -> float:
     """``final[key]`` of the summary, or with ``last > 0`` the mean of ``key`` over the last evaluated
-    rounds of ``metrics.jsonl``."""
+    rounds of ``metrics.jsonl``. A list (``accuracy_clients``, ``accuracy_classes``) is no such metric."""
     if last > 0:
-        vals = [m[key] for m in run.metrics if m.get(key) is not None][-last:]
+        vals = [m[key] for m in run.metrics if _number(m.get(key))][-last:]
         value = float(np.mean(vals)) if vals else None
     else:
         value = run.summary["final"].get(key)
-    if value is None:
-        keys = ", ".join(k for k, v in run.summary["final"].items() if isinstance(v, int | float))
-        raise FedskewError(f"--metric '{key}': not in the results of '{run.path}'; available: {keys}")
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        keys = ", ".join(k for k, v in run.summary["final"].items() if _number(v))
+        raise FedskewError(f"--metric '{key}': no number in the results of '{run.path}'; available: {keys}")
     return float(value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def values_by_seed(group: Group, key: str = "accuracy", last: int = 0) -> dict[int, float]:

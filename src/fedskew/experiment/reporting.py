@@ -11,12 +11,15 @@ from pathlib import Path
 from fedskew.errors import FedskewError
 from fedskew.experiment import provenance
 from fedskew.experiment.report import (
+    Group,
+    Paired,
     find_runs,
     group_runs,
     paired_differences,
     paired_table,
     plot_accuracy,
     select_group,
+    x_axis,
 )
 from fedskew.experiment.report_html import html_report, plot_client_accuracy
 from fedskew.experiment.report_tables import (
@@ -30,6 +33,7 @@ from fedskew.experiment.report_tables import (
     render_markdown,
     table_notes,
 )
+from fedskew.experiment.report_time import accuracy_at_time
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ReportRequest:
     clients_plot: Path | None = None  # default: beside the plot, <stem>_clients.png
     html: Path | None = None
     sidecar: Path | None = None  # notes + provenance JSON; default: beside the plot, <stem>_provenance.json
+    x: str = "round"  # the accuracy figure's x axis: round or virtual_time (report_time.X_AXES)
 
 
 @dataclass
@@ -61,6 +66,7 @@ def make_report(req: ReportRequest) -> ReportOutput:
     if req.target is not None and not req.target > 0:
         raise FedskewError(f"--target {req.target}: expected a positive accuracy such as 0.9")
     groups = group_runs(find_runs(list(req.dirs)))
+    axis = x_axis(req.x, groups)
     columns = columns_for(req.metrics, req.target, groups)
     check_columns(groups, columns, req.target)
     baseline = select_group(groups, req.paired) if req.paired is not None else None
@@ -75,8 +81,8 @@ def make_report(req: ReportRequest) -> ReportOutput:
     text = renderers[req.format]()
     plot = req.plot if req.plot is not None else req.dirs[0] / "report.png"
     plot.parent.mkdir(parents=True, exist_ok=True)  # --out may name a folder not made yet
-    files = [plot_accuracy(groups, plot)]
-    figures = [(files[0], "test accuracy vs round: mean over seeds, band ± std")]
+    files = [plot_accuracy(groups, plot, x=req.x)]
+    figures = [(files[0], f"test accuracy {axis.caption}")]
     clients_path = req.clients_plot or plot.with_name(f"{plot.stem}_clients.png")
     clients = plot_client_accuracy(groups, clients_path)
     if clients is not None:
@@ -90,6 +96,27 @@ def make_report(req: ReportRequest) -> ReportOutput:
     sidecar = req.sidecar or plot.with_name(f"{plot.stem}_provenance.json")
     files.append(write_sidecar(sidecar, table))
     return ReportOutput(text, files)
+
+
+def paired_at_time(
+    groups: list[Group], baseline: Group, budget: float, key: str = "accuracy"
+) -> list[Paired]:
+    """Every other group against ``baseline`` at one virtual-time budget (each run's last evaluation by
+    then: :func:`~fedskew.experiment.report_time.accuracy_at_time`), paired by seed; a seed either run of
+    which had not been evaluated by ``budget`` counts as unpaired."""
+    base = accuracy_at_time(baseline, budget, key)
+    out = []
+    for g in groups:
+        if g is baseline:
+            continue
+        vals = accuracy_at_time(g, budget, key)
+        diffs: dict[int, float] = {}
+        for seed in sorted(vals.keys() & base.keys()):
+            value, reference = vals[seed], base[seed]
+            if value is not None and reference is not None:
+                diffs[seed] = value - reference
+        out.append(Paired(g, diffs, len(vals.keys() | base.keys()) - len(diffs)))
+    return out
 
 
 def write_sidecar(path: Path, table: Table) -> Path:
