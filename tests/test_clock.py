@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedskew.algorithms import ALGORITHMS
+from fedskew.algorithms.base import Payload, Upload
 from fedskew.engine.clock import ClientSpeeds, VirtualClock, mostly_in, read_trace
 from fedskew.engine.clock_config import ClockSection, Spread
 from fedskew.engine.sampling import sampling_schedule
@@ -35,7 +36,11 @@ def clock_of(n: int, fraction: float = 1.0, rounds: int = 3, seed: int = 0, **se
 
 
 def outcome(cid: int, steps: int, down: int = 0, up: int = 0) -> ClientOutcome:
-    return ClientOutcome(cid=cid, bytes_down=down, bytes_up=up, steps=steps, loss=0.0)
+    """A client that trained ``steps`` steps and whose (empty) upload was accepted."""
+    done = ClientOutcome(cid=cid, bytes_down=down, steps=steps, loss=0.0)
+    done.accept(Upload(cid=cid, num_samples=1, payload=Payload(arrays={})))
+    done.bytes_up = up
+    return done
 
 
 # ---------------------------------------------------------------------------- arithmetic on hand cases
@@ -71,6 +76,40 @@ def test_over_selection_keeps_the_first_m_to_finish_and_ends_with_the_mth():
     assert timing.seconds == 4.0  # the second to finish
 
 
+def test_over_selection_with_a_deadline_ends_at_the_mth_finisher_not_the_deadline():
+    clock = clock_of(
+        4, fraction=0.5, step_seconds=Spread(value=1.0, sigma=0), over_selection=2.0, deadline=100.0
+    )
+    timing = clock.settle([outcome(0, 3), outcome(1, 4), outcome(2, 50), outcome(3, 500)])
+    assert timing.late == [2, 3] and timing.seconds == 4.0 and timing.steps == 7
+
+
+def test_a_rejected_upload_takes_no_place_among_the_first_m():
+    clock = clock_of(4, fraction=0.5, step_seconds=Spread(value=1.0, sigma=0), over_selection=2.0)
+    rejected = ClientOutcome(cid=0, bytes_down=0, steps=0)  # no upload: reports at once, counts for nothing
+    timing = clock.settle([rejected, outcome(1, 4), outcome(2, 5), outcome(3, 9)])
+    kept = [o.cid for o in timing.outcomes if o.upload is not None]
+    assert timing.late == [3] and timing.seconds == 5.0 and kept == [1, 2]
+
+
+def test_a_round_nobody_trains_in_lasts_the_deadline_or_nothing():
+    assert clock_of(3, deadline=7.0).settle([]).seconds == 7.0
+    assert clock_of(3).settle([]).seconds == 0.0
+
+
+def test_with_nobody_online_the_server_waits_for_the_next_hour_someone_is(tmp_path):
+    text = "client,step_seconds,bytes_per_second,online\n" + "".join(
+        f"{c},1,1000,{'0' * 3}1{'0' * 20}\n" for c in range(4)
+    )
+    cfg = ClockSection(availability="trace")
+    clock = VirtualClock(
+        cfg, ClientSpeeds.build(cfg, 0, [[1]] * 4, read_trace(write(tmp_path, text), 4)), 4, 0.5, 3, 0
+    )
+    selection = clock.select(1, 600.0)  # 00:10: nobody until 03:00
+    assert selection.wait == 3 * 3600 - 600 and len(selection.train) == 2
+    assert clock.settle([outcome(c, 2) for c in selection.train], selection).seconds == selection.wait + 2.0
+
+
 def test_partial_work_fits_whole_steps_after_the_round_trip():
     clock = clock_of(
         2, step_seconds=Spread(value=0.3, sigma=0), bytes_per_second=Spread(value=100, sigma=0), deadline=2.0,
@@ -79,8 +118,9 @@ def test_partial_work_fits_whole_steps_after_the_round_trip():
     # 2 s - 50 bytes / 100 B/s = 1.5 s of compute: 5 steps of 0.3 s (exactly, not 4 by rounding)
     assert clock.step_limit(0, comm_bytes=50) == 5
     assert clock.step_limit(0, comm_bytes=400) == 0  # the round trip alone misses the deadline
-    selection = clock.select(1, 0.0, partial_steps=400)
-    assert selection.train == [] and selection.step_limits == {0: 0, 1: 0}
+    selection = clock.select(1, 0.0, partial_bytes=400)
+    assert selection.train == [] and selection.step_limits == {0: 0, 1: 0} and selection.no_time == [0, 1]
+    assert clock.settle([], selection).late == [0, 1]  # reported late, not silently gone
 
 
 def test_spreads_draw_what_they_say():
@@ -153,7 +193,15 @@ def write(tmp_path: Path, text: str) -> Path:
         ("client,step_seconds,bytes_per_second\n1,0,1000\n", "must be > 0"),
         ("client,step_seconds,bytes_per_second\n1,nan,1000\n", "must be > 0"),
         ("client,step_seconds,bytes_per_second,online\n1,0.1,9,0101\n", "24 characters of 0/1"),
-        ("client,speed\n1,0.1\n", "needs a header"),
+        ("client,speed\n1,0.1\n", "needs the header"),
+        ("client,step_seconds,bytes_per_second,onlin\n1,0.1,9,1\n", "unknown: onlin"),
+        ("client,step_seconds,bytes_per_second\n", "no client rows"),
+        ("client,step_seconds,bytes_per_second\n1,0.1,9,7\n", "more values than"),
+        ("client,step_seconds,bytes_per_second\n1,inf,9\n", "finite"),
+        (
+            "client,step_seconds,bytes_per_second\n\n1,0.1,9\n\n\n1,0.1,9\n",
+            "line 6: client 1 is listed twice",
+        ),
         ("client,step_seconds,bytes_per_second\nx,0.1,1000\n", "client must be an integer"),
     ],
 )
@@ -161,6 +209,12 @@ def test_a_bad_trace_is_refused_in_one_line(tmp_path, text, problem):
     with pytest.raises(ConfigError, match=problem) as err:
         read_trace(write(tmp_path, text), 6)
     assert "\n" not in str(err.value)
+
+
+def test_a_trace_written_by_a_spreadsheet_with_a_byte_order_mark_reads(tmp_path):
+    path = tmp_path / "bom.csv"
+    path.write_bytes("\ufeffclient,step_seconds,bytes_per_second\n3,0.5,10\n".encode())
+    assert read_trace(path, 4)[3].step_seconds == 0.5
 
 
 def test_a_trace_sets_the_listed_clients_and_leaves_the_others_drawn(tmp_path):
@@ -178,7 +232,7 @@ def run(cfg: dict, rounds: int | None = None) -> tuple[list[dict], object]:
     return sim.history, sim
 
 
-CLOCK_KEYS = {"virtual_time", "round_seconds", "late", "dropped_out"}
+CLOCK_KEYS = {"virtual_time", "round_seconds", "late", "dropped_out", "round_steps", "round_uploads"}
 
 
 def strip_clock(record: dict) -> dict:
@@ -228,10 +282,14 @@ def test_a_deadline_without_partial_work_drops_and_with_it_trains_fewer_steps():
     clock = {"step_seconds": {"distribution": "lognormal", "value": 0.1, "sigma": 1.0}, "deadline": 2.0}
     dropped, _ = run({**base, "clock": clock})
     partial, _ = run({**base, "clock": {**clock, "late": "partial"}})
+    waited, _ = run({**base, "clock": {k: v for k, v in clock.items() if k != "deadline"}})
     assert any(r["late"] for r in dropped)  # whole clients are lost ...
     assert all(r["late"] == [] for r in partial)  # ... where partial work keeps them, cut to fit
     assert all(r["round_seconds"] <= 2.0 for r in partial)
     assert partial[-1]["round_bytes_up"] > dropped[-1]["round_bytes_up"]
+    for cut_short, whole in zip(partial, waited, strict=True):  # the same clients, fewer steps
+        assert cut_short["round_bytes_up"] == whole["round_bytes_up"]
+        assert 0 < cut_short["round_steps"] < whole["round_steps"]
 
 
 class Stop(Exception):
@@ -268,6 +326,25 @@ def test_an_interrupted_run_on_the_clock_resumes_exactly(tmp_path):
     assert any(r["late"] or r["dropped_out"] for r in whole)  # the policies really acted
 
 
+def test_a_federation_where_rounds_go_empty_runs_on_and_skips_them():
+    cfg = tiny_config("fedavg", rounds=4)
+    cfg["clock"] = {"dropout": 0.9}
+    cfg["engine"]["max_skipped_share"] = 1.0
+    history, sim = run(cfg)
+    assert sim.skipped and all(r["round_seconds"] == 0.0 for r in history if r.get("skipped"))
+
+
+def test_an_edited_trace_is_refused_on_resume(tmp_path):
+    trace = write(tmp_path, "client,step_seconds,bytes_per_second\n1,0.1,1000\n")
+    cfg = tiny_config("fedavg")
+    cfg["clock"] = {"trace": str(trace)}
+    recorded = build_config(cfg).to_dict()
+    assert recorded["clock"]["trace_sha256"]
+    trace.write_text("client,step_seconds,bytes_per_second\n1,0.5,1000\n")
+    with pytest.raises(ConfigError, match="changed since the run recorded it"):
+        build_config(recorded)
+
+
 def test_the_example_trace_config_runs_and_drops_late_clients():
     cfg = build_config(
         __import__("yaml").safe_load((EXAMPLE / "digits-trace.yaml").read_text()), ["rounds=3"], base=EXAMPLE
@@ -293,6 +370,11 @@ def test_the_example_trace_config_runs_and_drops_late_clients():
             "does not aggregate by a mean",
         ),
         (["engine.runtime=flower-simulation"], "runs in the embedded engine"),
+        (["clock.over_selection=.inf"], "clock.over_selection"),
+        (["clock.step_seconds.value=.inf"], "clock.step_seconds.value"),
+        (["clock.slow_classes=[-1]"], "clock.slow_classes"),
+        (["clock.buffer=3"], "'clock.buffer': read only by clock.aggregation"),
+        (["clock.available=0.5"], "'clock.available': read only"),
     ],
 )
 def test_bad_clock_input_is_one_line(over, problem):
@@ -316,3 +398,26 @@ def test_the_cli_refuses_a_trace_with_unknown_clients_with_exit_2(tmp_path, monk
     code, _, err = cli(["run", str(config), "--out", str(tmp_path / "o2"), "--set", "clock.deadline=0"],
                        monkeypatch, capsys)  # fmt: skip
     assert code == 2 and "clock.deadline" in err
+    fedbuff = [
+        "--set",
+        "clock.aggregation=fedbuff",
+        "--set",
+        "algorithm.name=fedproto",
+        "--set",
+        "eval.protocol=personalized",
+    ]
+    code, _, err = cli(["run", str(config), "--out", str(tmp_path / "o3"), *fedbuff], monkeypatch, capsys)
+    assert code == 2 and "does not aggregate by a mean" in err and len(err.strip().splitlines()) == 1
+
+
+def test_slow_classes_outside_the_dataset_and_a_trace_without_online_column_are_refused(tmp_path):
+    cfg = tiny_config("fedavg")
+    cfg["clock"] = {"slow_classes": [10]}
+    with pytest.raises(ConfigError, match="class 10 is not one of digits's 10 classes; allowed: 0..9"):
+        build_simulation(build_config(cfg))
+    cfg["clock"] = {
+        "availability": "trace",
+        "trace": str(write(tmp_path, "client,step_seconds,bytes_per_second\n1,1,1\n")),
+    }
+    with pytest.raises(ConfigError, match="'trace' needs an online column"):
+        build_simulation(build_config(cfg))

@@ -12,7 +12,7 @@ exactly from ``virtual_time`` alone (the round loop checkpoints it).
   from ``(seed, round, client)``); ``trace`` (the trace's hourly ``online`` string at the round's start
   time, hour ``floor(t / 3600) mod 24``).
 * **Sampling** (:meth:`VirtualClock.select`): the ``m`` eligible clients with the smallest keys of the
-  run's sampling stream (:func:`fedskew.engine.sampling.sampling_keys`, the stream
+  run's sampling stream (:func:`fedskew.engine.sampling.sampling_row`, the stream
   :func:`~fedskew.engine.sampling.sampling_schedule` draws from), so with every client eligible it is the
   synchronous sample itself, and every method sees the same clients.
 * **Dropout**: a sampled client drops out mid-round with probability ``dropout`` (per ``(seed, round,
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from fedskew.engine.clock_config import ClockSection, Spread
-from fedskew.engine.sampling import clients_per_round, sampling_keys
+from fedskew.engine.sampling import clients_per_round, sampling_row
 from fedskew.engine.types import ClientOutcome
 from fedskew.errors import ConfigError
 from fedskew.seeding import derive_seed
@@ -52,36 +52,56 @@ class TraceRow:
     online: str | None  # 24 characters of 0 / 1, or None (always online)
 
 
+TRACE_COLUMNS = ("client", "step_seconds", "bytes_per_second")
+
+
 def read_trace(path: str | Path, num_clients: int) -> dict[int, TraceRow]:
-    """A trace file's rows by client id (format: :mod:`fedskew.engine.clock_config`); one-line errors."""
+    """A trace file's rows by client id (format: :mod:`fedskew.engine.clock_config`; a UTF-8 byte-order mark,
+    as spreadsheets write it, is allowed); one-line errors naming the file and line."""
     where = f"clock.trace {path}"
     try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            columns = [c.strip() for c in reader.fieldnames or []]
+            unknown = sorted(set(columns) - {*TRACE_COLUMNS, "online"})
+            if not set(TRACE_COLUMNS) <= set(columns) or unknown:
+                extra = f" (unknown: {', '.join(unknown)})" if unknown else ""
+                raise ConfigError(
+                    f"{where}: needs the header client,step_seconds,bytes_per_second[,online]{extra}"
+                )
+            reader.fieldnames = columns
+            out: dict[int, TraceRow] = {}
+            for row in reader:
+                cid, parsed = trace_row(row, f"{where} line {reader.line_num}", num_clients)
+                if cid in out:
+                    raise ConfigError(f"{where} line {reader.line_num}: client {cid} is listed twice")
+                out[cid] = parsed
     except OSError as err:
         raise ConfigError(f"{where}: cannot be read ({err.strerror})") from None
-    need = {"client", "step_seconds", "bytes_per_second"}
-    if not rows or not need <= set(rows[0]):
-        raise ConfigError(
-            f"{where}: needs a header with columns client,step_seconds,bytes_per_second[,online]"
-        )
-    out: dict[int, TraceRow] = {}
-    for line, row in enumerate(rows, start=2):
-        try:
-            cid, step, bw = int(row["client"]), float(row["step_seconds"]), float(row["bytes_per_second"])
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} line {line}: client must be an integer, speeds numbers") from None
-        if not 0 <= cid < num_clients:
-            raise ConfigError(f"{where} line {line}: unknown client {cid}; allowed: 0..{num_clients - 1}")
-        if cid in out:
-            raise ConfigError(f"{where} line {line}: client {cid} is listed twice")
-        if not (step > 0 and bw > 0 and math.isfinite(step) and math.isfinite(bw)):
-            raise ConfigError(f"{where} line {line}: step_seconds and bytes_per_second must be > 0")
-        online = (row.get("online") or "").strip() or None
-        if online is not None and (len(online) != 24 or set(online) - {"0", "1"}):
-            raise ConfigError(f"{where} line {line}: online must be 24 characters of 0/1 (one per hour)")
-        out[cid] = TraceRow(step, bw, online)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: is not UTF-8 text") from None
+    if not out:
+        raise ConfigError(f"{where}: has a header but no client rows")
     return out
+
+
+def trace_row(row: dict[str | None, object], where: str, num_clients: int) -> tuple[int, TraceRow]:
+    """One row of a trace file, checked (``where`` names its file and line)."""
+    if row.get(None) is not None:  # more values than columns
+        raise ConfigError(f"{where}: more values than the header's columns")
+    try:
+        cid = int(str(row["client"]).strip())
+        step, bw = float(str(row["step_seconds"])), float(str(row["bytes_per_second"]))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: client must be an integer, speeds numbers") from None
+    if not 0 <= cid < num_clients:
+        raise ConfigError(f"{where}: unknown client {cid}; allowed: 0..{num_clients - 1}")
+    if not (step > 0 and bw > 0 and math.isfinite(step) and math.isfinite(bw)):
+        raise ConfigError(f"{where}: step_seconds and bytes_per_second must be > 0 and finite")
+    online = str(row.get("online") or "").strip() or None
+    if online is not None and (len(online) != 24 or set(online) - {"0", "1"}):
+        raise ConfigError(f"{where}: online must be 24 characters of 0/1 (one per hour)")
+    return cid, TraceRow(step, bw, online)
 
 
 def draw(spread: Spread, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -142,6 +162,8 @@ class Selection:
     train: list[int]
     dropped_out: list[int]
     step_limits: dict[int, int] = field(default_factory=dict)
+    no_time: list[int] = field(default_factory=list)  # late: partial: not one step fits the deadline
+    wait: float = 0.0  # seconds the server waited for anyone to come online (availability: trace)
 
 
 @dataclass(frozen=True)
@@ -153,6 +175,7 @@ class RoundTiming:
     seconds: float
     late: list[int]
     durations: dict[int, float]
+    steps: int = 0  # local steps of the clients kept (the round's compute)
 
 
 class VirtualClock:
@@ -165,7 +188,7 @@ class VirtualClock:
         self.cfg, self.speeds, self.seed = clock, speeds, seed
         self.num_clients = num_clients
         self.m = clients_per_round(num_clients, fraction)
-        self.keys = sampling_keys(num_clients, max(rounds, 1), seed)
+        self.rounds = max(rounds, 1)
 
     # ------------------------------------------------------------------ who
     def online(self, r: int, now: float) -> np.ndarray:
@@ -193,22 +216,34 @@ class VirtualClock:
         ids = np.flatnonzero(eligible)
         if count >= ids.size:
             return ids.tolist()
-        keys = self.keys[(r - 1) % len(self.keys), ids]
+        keys = sampling_row(self.num_clients, (r - 1) % self.rounds, self.seed)[ids]
         return np.sort(ids[np.argpartition(keys, count - 1)[:count]]).tolist()
 
-    def select(self, r: int, now: float, partial_steps: float | None = None) -> Selection:
+    def wait_for_clients(self, r: int, now: float) -> float:
+        """Under ``availability: trace``, the seconds until the next hour in which anyone is online (0: now;
+        at most a day, the trace's period); the server waits rather than running empty rounds."""
+        if self.cfg.availability != "trace" or self.online(r, now).any():
+            return 0.0
+        for hours in range(1, 25):
+            start = (math.floor(now / HOUR) + hours) * HOUR
+            if self.online(r, start).any():
+                return start - now
+        return 0.0
+
+    def select(self, r: int, now: float, partial_bytes: float | None = None) -> Selection:
         """Round ``r``'s sample: ``ceil(over_selection x m)`` online clients, less those that drop out.
-        ``partial_steps``: under ``late: partial``, the comm-free seconds a deadline leaves, per client
-        turned into a step limit (a client that fits no step does not train)."""
+        ``partial_bytes``: under ``late: partial``, the round trip the server expects, turned into a step
+        limit per client; a client that fits no step does not train (it is late)."""
+        wait = self.wait_for_clients(r, now)
         count = math.ceil(self.cfg.over_selection * self.m - 1e-9)
-        sampled = self.pick(r, self.online(r, now), count)
+        sampled = self.pick(r, self.online(r, now + wait), count)
         lost = [c for c in sampled if self.drops_out(r, c)]
         train = [c for c in sampled if c not in set(lost)]
         limits: dict[int, int] = {}
-        if self.cfg.deadline is not None and self.cfg.late == "partial" and partial_steps is not None:
-            limits = {c: self.step_limit(c, partial_steps) for c in train}
+        if self.cfg.deadline is not None and self.cfg.late == "partial" and partial_bytes is not None:
+            limits = {c: self.step_limit(c, partial_bytes) for c in train}
             train = [c for c in train if limits[c] > 0]
-        return Selection(train, lost, limits)
+        return Selection(train, lost, limits, [c for c, k in limits.items() if k == 0], wait)
 
     def step_limit(self, cid: int, comm_bytes: float) -> int:
         """The local steps client ``cid`` fits before the deadline after moving ``comm_bytes`` bytes."""
@@ -221,21 +256,28 @@ class VirtualClock:
         compute = steps * float(self.speeds.step_seconds[cid])
         return compute + (bytes_down + bytes_up) / float(self.speeds.bytes_per_second[cid])
 
-    def settle(self, outcomes: list[ClientOutcome]) -> RoundTiming:
-        """The synchronous round policy on trained ``outcomes`` (sampling order): the first ``m`` to
-        finish (over-selection) within the deadline make the round; the others are marked dropped (their
-        work and state are discarded). The round lasts until its last kept client, or the deadline when
-        someone missed it (full wait: until the slowest)."""
+    def settle(self, outcomes: list[ClientOutcome], selection: Selection | None = None) -> RoundTiming:
+        """The synchronous round policy on trained ``outcomes`` (sampling order). The first ``m`` accepted
+        uploads to finish (over-selection) within the deadline make the round; the others are marked dropped
+        (their work and state are discarded; a rejected upload takes no place). The server stops at the
+        ``m``-th kept upload, else when every trained client has reported (full wait: the slowest), and at
+        the latest at the deadline. Clients that fit no step (``late: partial``) are late but not waited
+        for; the wait for anyone to come online (``availability: trace``) comes first."""
         d = {o.cid: self.duration(o.cid, o.steps, o.bytes_down, o.bytes_up) for o in outcomes}
         deadline = self.cfg.deadline if self.cfg.deadline is not None else math.inf
-        order = sorted((o for o in outcomes if not o.dropped), key=lambda o: (d[o.cid], o.cid))
+        order = sorted((o for o in outcomes if o.upload is not None), key=lambda o: (d[o.cid], o.cid))
         kept = {o.cid for o in order[: self.m] if d[o.cid] <= deadline}
-        late = [o.cid for o in order if o.cid not in kept]
-        seconds = max((d[c] for c in kept), default=0.0)
-        if any(d[c] > deadline for c in late):
-            seconds = deadline
-        new = [o if o.cid in kept or o.dropped else cut(o) for o in outcomes]
-        return RoundTiming(new, seconds, late, d)
+        if len(kept) == self.m:
+            seconds = max(d[c] for c in kept)
+        else:  # short of m: waits for every report, up to the deadline (no report at all: the deadline)
+            seconds = min(deadline, max(d.values(), default=deadline))
+        seconds = 0.0 if math.isinf(seconds) else seconds
+        no_time = [] if selection is None else selection.no_time
+        late = sorted([o.cid for o in order if o.cid not in kept] + no_time)
+        new = [o if o.cid in kept or o.upload is None else cut(o) for o in outcomes]
+        steps = sum(o.steps for o in outcomes if o.cid in kept)
+        wait = 0.0 if selection is None else selection.wait
+        return RoundTiming(new, wait + seconds, late, d, steps)
 
 
 def cut(outcome: ClientOutcome) -> ClientOutcome:

@@ -151,19 +151,15 @@ class Simulation:
         cids = selection.train
         t0 = time.perf_counter()
         job = RoundJob(r, cids, self.server, JobStates(self.states, cids), step_limits=selection.step_limits)
-        mean = None
-        if self.folding:
-            folded = cast(FoldingExecutor, self.executor).train_folded(job)
-            outcomes, mean = folded.outcomes, folded.mean
-        else:
-            outcomes = self.executor.train(job)
-        timing = None if self.clock is None else self.clock.settle(outcomes)
+        outcomes, mean = self.train(job)
+        timing = None if self.clock is None else self.clock.settle(outcomes, selection)
         outcomes = outcomes if timing is None else timing.outcomes
         rejected = [o.cid for o in outcomes if o.upload is None and not o.dropped]
         check_rejected(self.plan.on_client_error, r, rejected)
         uploads = [o.upload for o in outcomes if o.upload is not None]
         if not uploads:
-            log.warning("round %d: every sampled client was rejected; the round is skipped", r)
+            why = "every sampled client was rejected" if cids else "no client could train (the virtual clock)"
+            log.warning("round %d: %s; the round is skipped", r, why)
         t1 = time.perf_counter()
         info = RoundInfo(round=r, cid=None, seed=self.seed)
         update = None
@@ -204,6 +200,16 @@ class Simulation:
             self.history.append(record)
         return RoundOutcome(r, record, [o.cid for o in outcomes if o.upload is None])
 
+    def train(self, job: RoundJob) -> tuple[list[ClientOutcome], dict[str, torch.Tensor] | None]:
+        """The executor's outcomes of ``job`` and, when it folded the uploads, their mean (a round in which
+        nobody trains, possible on the virtual clock, asks the executor nothing)."""
+        if not job.cids:
+            return [], None
+        if self.folding:
+            folded = cast(FoldingExecutor, self.executor).train_folded(job)
+            return folded.outcomes, folded.mean
+        return self.executor.train(job), None
+
     def sample(self, r: int) -> Selection:
         """Round ``r``'s clients: the pre-drawn row, or on the virtual clock its online sample less dropouts
         (with step limits under ``late: partial``: the deadline less a round trip of the global payload)."""
@@ -225,6 +231,8 @@ class Simulation:
             "round_seconds": timing.seconds,
             "late": timing.late,
             "dropped_out": selection.dropped_out,
+            "round_steps": timing.steps,
+            "round_uploads": sum(o.upload is not None for o in timing.outcomes),
         }
 
     def _record(

@@ -8,7 +8,14 @@ from fedskew.algorithms.security.randomness import poisson_sample, secret_sample
 from fedskew.seeding import derive_seed
 from fedskew.settings import PrivacySection
 
-__all__ = ["client_schedule", "clients_per_round", "derive_seed", "sampling_keys", "sampling_schedule"]
+__all__ = [
+    "client_schedule",
+    "clients_per_round",
+    "derive_seed",
+    "sampling_keys",
+    "sampling_row",
+    "sampling_schedule",
+]
 
 #: a round's sampled clients, round by round (rows of one length, or of any length under Poisson sampling)
 Schedule = np.ndarray | list[np.ndarray]
@@ -35,6 +42,14 @@ def sampling_keys(num_clients: int, rounds: int, seed: int) -> np.ndarray:
     """``[rounds, N]`` uniform keys, one row per round: a round samples the clients with the ``m`` smallest
     keys (:func:`sampling_schedule`; on the virtual clock, among the online ones: fedskew.engine.clock)."""
     return np.random.default_rng(derive_seed(seed, 0x5A3B1E)).random((rounds, num_clients))
+
+
+def sampling_row(num_clients: int, row: int, seed: int) -> np.ndarray:
+    """Row ``row`` (0-based) of :func:`sampling_keys` without the rows before it: the generator (PCG64, one
+    64-bit draw per double) is advanced past them, so a run of many rounds holds one row at a time."""
+    bits = np.random.PCG64(derive_seed(seed, 0x5A3B1E))  # default_rng's bit generator
+    bits.advance(row * num_clients)
+    return np.random.Generator(bits).random(num_clients)
 
 
 def client_schedule(

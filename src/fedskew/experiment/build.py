@@ -281,5 +281,17 @@ def virtual_clock(cfg: Config, data: FederatedData) -> VirtualClock | None:
     if cfg.clock is None:
         return None
     trace = read_trace(cfg.clock.trace, data.num_clients) if cfg.clock.trace else None
-    speeds = ClientSpeeds.build(cfg.clock, cfg.seed, data.class_counts().tolist(), trace)
+    counts = data.class_counts()
+    outside = [c for c in cfg.clock.slow_classes if c >= counts.shape[1]]
+    if outside:
+        raise ConfigError(
+            f"config key 'clock.slow_classes': class {outside[0]} is not one of {cfg.data.dataset}'s "
+            f"{counts.shape[1]} classes; allowed: 0..{counts.shape[1] - 1}"
+        )
+    if cfg.clock.availability == "trace" and not any(row.online for row in (trace or {}).values()):
+        raise ConfigError(
+            f"config key 'clock.availability': 'trace' needs an online column in {cfg.clock.trace}; allowed: "
+            "always, bernoulli"
+        )
+    speeds = ClientSpeeds.build(cfg.clock, cfg.seed, counts.tolist(), trace)
     return VirtualClock(cfg.clock, speeds, data.num_clients, cfg.client.fraction, cfg.rounds, cfg.seed)

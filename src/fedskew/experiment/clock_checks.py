@@ -37,6 +37,15 @@ def check_clock(cfg: Config, alg: Any, mean_methods: list[str]) -> None:
         raise ConfigError(
             "config key 'clock.availability': 'trace' needs clock.trace; allowed: always, bernoulli"
         )
+    unread = [k for k in clock.ASYNC_ONLY if k in clock.model_fields_set and not clock.asynchronous]
+    unread += (
+        ["available"] if "available" in clock.model_fields_set and clock.availability != "bernoulli" else []
+    )
+    if unread:
+        raise ConfigError(
+            f"config key 'clock.{unread[0]}': read only by clock.aggregation=fedasync/fedbuff (available: by "
+            f"clock.availability=bernoulli); here it would be ignored; allowed: leave it out"
+        )
     if clock.asynchronous:
         _check_asynchronous(cfg, alg, mean_methods)
     if clock.late == "partial":

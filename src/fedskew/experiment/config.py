@@ -14,6 +14,7 @@ the registries in :mod:`~fedskew.experiment.config_checks`, override parsing in
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +154,25 @@ def build_config(
 
 
 def resolve_trace(data: dict[str, Any], base: Path | None) -> None:
-    """``clock.trace`` made absolute (relative: under ``base``, the config file's folder), as recorded."""
+    """``clock.trace`` made absolute (relative: under ``base``, the config file's folder), as recorded, with
+    the file's SHA-256 beside it: a config that recorded another digest (a resumed run, a sweep's saved
+    config) is refused, so a trace edited between a run and its resume cannot change its speeds unseen."""
     clock = data.get("clock")
-    if isinstance(clock, dict) and isinstance(clock.get("trace"), str):
-        path = Path(clock["trace"]).expanduser()
-        clock["trace"] = str((path if path.is_absolute() else (base or Path.cwd()) / path).resolve())
+    if not (isinstance(clock, dict) and isinstance(clock.get("trace"), str)):
+        return
+    path = Path(clock["trace"]).expanduser()
+    path = (path if path.is_absolute() else (base or Path.cwd()) / path).resolve()
+    clock["trace"] = str(path)
+    if not path.is_file():
+        return  # read when the run is built: one line there
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    recorded = clock.get("trace_sha256")
+    if recorded is not None and recorded != digest:
+        raise ConfigError(
+            f"config key 'clock.trace': {path} changed since the run recorded it (sha256 "
+            f"{str(recorded)[:12]}..., now {digest[:12]}...); allowed: the recorded file, or a new run"
+        )
+    clock["trace_sha256"] = digest
 
 
 def _node_clients(raw: dict[str, Any]) -> None:
