@@ -421,3 +421,13 @@ def test_slow_classes_outside_the_dataset_and_a_trace_without_online_column_are_
     }
     with pytest.raises(ConfigError, match="'trace' needs an online column"):
         build_simulation(build_config(cfg))
+
+
+@pytest.mark.parametrize("aggregation", ["sync", "fedbuff"])
+def test_a_recorded_clock_config_builds_again(aggregation):
+    """A run's config.yaml repeats every default; building it again (resume, sweep workers) must not read the
+    defaults as keys the user set."""
+    cfg = tiny_config("fedavg")
+    cfg["clock"] = {"aggregation": aggregation}
+    recorded = build_config(cfg).to_dict()
+    assert build_config(recorded).to_dict() == recorded

@@ -37,10 +37,14 @@ def check_clock(cfg: Config, alg: Any, mean_methods: list[str]) -> None:
         raise ConfigError(
             "config key 'clock.availability': 'trace' needs clock.trace; allowed: always, bernoulli"
         )
-    unread = [k for k in clock.ASYNC_ONLY if k in clock.model_fields_set and not clock.asynchronous]
-    unread += (
-        ["available"] if "available" in clock.model_fields_set and clock.availability != "bernoulli" else []
-    )
+    # values other than the defaults (a recorded config repeats every default: "was it given" cannot tell)
+    changed = {
+        k
+        for k, f in type(clock).model_fields.items()
+        if getattr(clock, k) != f.get_default(call_default_factory=True)
+    }
+    unread = [k for k in clock.ASYNC_ONLY if k in changed and not clock.asynchronous]
+    unread += ["available"] if "available" in changed and clock.availability != "bernoulli" else []
     if unread:
         raise ConfigError(
             f"config key 'clock.{unread[0]}': read only by clock.aggregation=fedasync/fedbuff (available: by "
