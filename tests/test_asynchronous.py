@@ -297,3 +297,46 @@ def test_an_empty_buffer_waits_for_the_hour_clients_come_online(tmp_path):
     record = sim.run_round().record
     assert "skipped" not in record and len(record["arrived"]) == 1
     assert 2 * HOUR < record["virtual_time"] < 2 * HOUR + 60  # started at 02:00, landed seconds later
+
+
+def test_fedasync_weighs_a_fresh_update_at_staleness_one_as_its_paper_counts():
+    """Xie et al. 2019, Alg. 1: a worker holding the latest model x_{t−1} has t − τ = 1, so with the
+    polynomial s(t − τ) = (t − τ + 1)^−a a fresh update mixes at α 2^−a, not α."""
+    cfg = build_config(config("fedasync", rounds=1, partition=SKEWED, mixing=0.5, staleness="polynomial"))
+    sim = build_simulation(cfg)
+    x0 = {k: v.clone() for k, v in sim.server["weights"].items()}
+    record = sim.run_round().record
+    (c,) = record["arrived"]
+    assert record["staleness_max"] == 0  # logged: server updates since the client started
+    fresh = build_simulation(cfg)
+    payload = fresh.algorithm.broadcast(fresh.server, RoundInfo(1, c, cfg.seed))
+    u_c = train_client(
+        fresh.executor.runtime, c, 1, payload, fresh.client_state(c)
+    ).upload.payload.model_state()
+    a = 0.5 * 2.0**-0.5
+    for k, x in x0.items():
+        assert torch.allclose(sim.server["weights"][k], (1 - a) * x + a * u_c[k], atol=1e-7)
+
+
+def test_fedbuff_never_extrapolates_batchnorm_statistics():
+    """x + s (u − b) is no convex combination: for a running variance it can go negative (a reviewer's
+    case: stale updates at K = 2 made min running_var −0.4 and every evaluation NaN). Buffers are the plain
+    weighted mean of the uploads."""
+    cfg = digits_config(
+        rounds=6,
+        data={"dataset": "digits", "num_clients": 10, "partition": {"name": "dirichlet", "alpha": 0.1}},
+        model={"name": "cnn_fedbn", "conv_channels": [4, 4, 8], "fc_widths": [16, 16]},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5, "fraction": 0.5},
+        engine={"mode": "sequential", "workers": 1},
+    )
+    cfg["clock"] = {"aggregation": "fedbuff", "concurrency": 10, "buffer": 2,
+                    "step_seconds": {"distribution": "lognormal", "value": 0.01, "sigma": 1.5}}  # fmt: skip
+    sim = build_simulation(build_config(cfg))
+    stale = 0
+    for _ in range(6):
+        record = sim.run_round().record
+        stale = max(stale, record.get("staleness_max", 0))
+        assert math.isfinite(record["loss"])
+        variances = [v for k, v in sim.server["weights"].items() if k.endswith("running_var")]
+        assert variances and all(bool((v >= 0).all()) for v in variances)
+    assert stale > 0  # the case really had stale updates

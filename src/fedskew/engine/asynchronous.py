@@ -53,6 +53,7 @@ from fedskew.algorithms.base import (
     uniform_weights,
     weighted_average,
 )
+from fedskew.algorithms.messages import MODEL_PREFIX
 from fedskew.engine.clock import HOUR, VirtualClock
 from fedskew.engine.clock_config import ClockSection
 from fedskew.engine.evaluation import RoundEvaluator
@@ -72,6 +73,10 @@ STALENESS: dict[str, Callable[[float, float, int], float]] = {
     "polynomial": lambda tau, a, b: (tau + 1.0) ** (-a),
     "hinge": lambda tau, a, b: 1.0 if tau <= b else 1.0 / (a * (tau - b) + 1.0),
 }
+#: what each rule's staleness function is evaluated at, from τ = server updates since the client started:
+#: FedAsync's ``t − τ`` counts the server epoch being written (Xie et al. 2019, Alg. 1: a worker that got
+#: the latest model ``x_{t−1}`` has ``t − τ = 1``); FedBuff's ``s(τ) = 1/√(1 + τ)`` has τ = 0 when fresh
+STALENESS_SHIFT = {"fedasync": 1, "fedbuff": 0}
 #: an empty buffer waits at most this many virtual hours for a client to come online (a trace's day)
 MAX_WAITS = 24
 
@@ -179,6 +184,9 @@ class MixInput:
     bases: list[dict[str, Tensor]]  # the payload arrays each client started from
     stale: list[float]  # s(τ_i)
     weights: Tensor  # the mean's weights
+    #: the model's buffers (BatchNorm running statistics): averaged as the plain weighted mean of the
+    #: uploads, never extrapolated (x + s (u − b) can make a running variance negative)
+    buffers: frozenset[str] = frozenset()
 
 
 def _affine(x: Tensor, y: Tensor, a: float, b: float) -> Tensor:
@@ -202,13 +210,15 @@ def fedbuff_mix(m: MixInput, server_lr: float) -> dict[str, Tensor]:
     """FedBuff: ``x + η_g Σ_i w_i s(τ_i) (u_i − b_i)`` as the weighted mean of the rebased uploads, then
     ``η_g`` (``η_g = 1``: the mean itself)."""
     moved = [
-        {k: rebased(m.x[k], u[k], b[k], s) for k in u}
+        {k: u[k] if k in m.buffers else rebased(m.x[k], u[k], b[k], s) for k in u}
         for u, b, s in zip(m.uploads, m.bases, m.stale, strict=True)
     ]
     mean = weighted_average(moved, m.weights)
     if server_lr == 1.0:
         return mean
-    return {k: _affine(m.x[k], v, 1.0 - server_lr, server_lr) for k, v in mean.items()}
+    return {
+        k: v if k in m.buffers else _affine(m.x[k], v, 1.0 - server_lr, server_lr) for k, v in mean.items()
+    }
 
 
 def fedasync_mix(m: MixInput, alpha: float) -> dict[str, Tensor]:
@@ -266,6 +276,9 @@ class AsynchronousSimulation(Simulation):
         self.concurrency = cfg.concurrency or clock.m
         self.k = 1 if cfg.aggregation == "fedasync" else (cfg.buffer or clock.m)
         self.flights: list[Flight] = []  # in flight, by (finish_time, cid)
+        # the model's buffers under their payload names (``model.`` + the state name)
+        template = algorithm.ctx.model_template(None)
+        self.buffers = frozenset(MODEL_PREFIX + name for name, _ in template.named_buffers())
 
     # ------------------------------------------------------------------ one server update
     def run_round(self) -> RoundOutcome:
@@ -378,12 +391,21 @@ class AsynchronousSimulation(Simulation):
             if cfg.buffer_weights == "uniform"
             else self.algorithm.mean_weights(counts)
         )
+        shift = STALENESS_SHIFT[cfg.aggregation]
         stale = [
-            staleness_weight(cfg.staleness, self.staleness(f), cfg.staleness_a, cfg.staleness_b)
+            staleness_weight(cfg.staleness, self.staleness(f) + shift, cfg.staleness_a, cfg.staleness_b)
             for f in buffer
         ]
         mixed = MIXERS[cfg.aggregation](
-            MixInput(x, [up.payload.arrays for up in uploads], [f.base for f in buffer], stale, weights), cfg
+            MixInput(
+                x,
+                [up.payload.arrays for up in uploads],
+                [f.base for f in buffer],
+                stale,
+                weights,
+                self.buffers,
+            ),
+            cfg,
         )
         return self.algorithm.server_step(
             self.server, Payload(arrays=mixed), MeanInfo(info, [receipt(up) for up in uploads], weights)
@@ -403,6 +425,8 @@ class AsynchronousSimulation(Simulation):
             "round_seconds": g.now - self.now,
             **stale,
             "arrived": [f.cid for f in buffer],
+            "round_uploads": sum(f.upload is not None for f in buffer),
+            "round_steps": sum(f.outcome.steps for f in buffer if f.outcome is not None),
             "dropped_out": sorted(g.lost),
             "in_flight": len(g.flights),
         }
