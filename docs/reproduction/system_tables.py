@@ -4,10 +4,12 @@
 
 For every policy (one sweep folder ``RUNS/<policy>/seed<k>``): the global model's test accuracy and the mean
 per-class accuracy of the three rarest classes (7, 8, 9) at the virtual-time budget ``T`` (each seed's last
-evaluation at or before T) and after an equal number of aggregated client updates (``UPDATES``: 20 synchronous
-rounds of m = 10; FedBuff's 40 updates of K = 5; FedAsync's 200 single updates), as mean ± sample std over
-seeds, with the seed-paired difference to full wait and its 95% t-interval. Final-round numbers only; no
-best-round selection.
+evaluation at or before T; a run that ends before T is an error) and after an equal number of aggregated
+client uploads (``UPLOADS``: the first evaluation by which the run has aggregated at least 200, the uploads
+of 20 full-wait rounds of m = 10; synchronous runs are evaluated every round and count ``round_uploads``,
+the asynchronous ones K per update), as mean ± sample std over seeds, with the seed-paired difference to
+full wait and its 95% t-interval. No best-round selection. Also, per seed, the slow clients' share of the
+rare classes' training samples (what a policy that leaves slow clients out loses).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from fedskew.experiment.report import Group, Paired, find_runs, plot_accuracy
 BUDGET = 300.0  # virtual seconds
 RARE = (7, 8, 9)  # the three rarest classes of the long tail (rho = 10): the slow clients hold them
 BASELINE = "full-wait"
-#: policy folder -> (label, server updates that aggregate as many client uploads as 20 rounds of m = 10)
+UPLOADS = 200  # the aggregated uploads of 20 full-wait rounds of m = 10
+#: policy folder -> label
 POLICIES = {
-    "full-wait": ("FedAvg, full wait", 20),
-    "deadline": ("FedAvg, deadline 10 s", 20),
-    "over-selection": ("FedAvg, over-selection 1.3", 20),
-    "fedbuff": ("FedBuff (K = 5, concurrency 10)", 40),
-    "fedasync": ("FedAsync (α = 0.6, poly a = 0.5, concurrency 10)", 200),
+    "full-wait": "FedAvg, full wait",
+    "deadline": "FedAvg, deadline 10 s",
+    "over-selection": "FedAvg, over-selection 1.3",
+    "fedbuff": "FedBuff (K = 5, concurrency 10)",
+    "fedasync": "FedAsync (α = 0.6, poly a = 0.5, concurrency 10)",
 }
 #: uploads per server update of the asynchronous rules (their records are evaluated every few updates)
 ASYNC_UPLOADS = {"fedbuff": 5, "fedasync": 1}
@@ -40,7 +43,7 @@ def groups(root: Path) -> dict[str, Group]:
     out: dict[str, Group] = {}
     for run in find_runs([root]):
         policy = run.path.parent.name
-        out.setdefault(policy, Group(POLICIES.get(policy, (policy, 0))[0])).runs.append(run)
+        out.setdefault(policy, Group(POLICIES.get(policy, policy))).runs.append(run)
     return out
 
 
@@ -51,22 +54,35 @@ def rare(record: dict[str, Any]) -> float:
 def at_time(record_list: list[dict[str, Any]], budget: float) -> dict[str, Any]:
     """The last evaluated record with ``virtual_time <= budget`` (a run that never reaches it: its last)."""
     before = [r for r in record_list if r["virtual_time"] <= budget]
-    if not before:
-        raise SystemExit(f"a run has no evaluation before {budget} s of virtual time")
+    if not before or record_list[-1]["virtual_time"] < budget:
+        raise SystemExit(f"a run does not span {budget} s of virtual time: give it more rounds")
     return before[-1]
 
 
-def at_round(record_list: list[dict[str, Any]], round_: int) -> dict[str, Any]:
-    return next(r for r in record_list if r["round"] == round_)
+def cumulative_uploads(policy: str, records: list[dict[str, Any]]) -> list[float]:
+    """Aggregated uploads up to each record: K per update for the asynchronous rules (checked on every
+    evaluated update: no buffer closed short), the running sum of ``round_uploads`` for the synchronous ones
+    (evaluated every round, checked)."""
+    if policy in ASYNC_UPLOADS:
+        k = ASYNC_UPLOADS[policy]
+        if any(r["round_uploads"] != k for r in records):
+            raise SystemExit(f"{policy}: a buffer closed short; count its uploads update by update")
+        return [float(r["round"] * k) for r in records]
+    if [r["round"] for r in records] != list(range(1, len(records) + 1)):
+        raise SystemExit(f"{policy}: evaluate every round to count its uploads")
+    return list(np.cumsum([r["round_uploads"] for r in records], dtype=float))
+
+
+def at_uploads(policy: str, records: list[dict[str, Any]], count: int = UPLOADS) -> dict[str, Any]:
+    """The first evaluated record by which ``count`` uploads were aggregated."""
+    totals = cumulative_uploads(policy, records)
+    return next(r for r, n in zip(records, totals, strict=True) if n >= count)
 
 
 def uploads_by(policy: str, records: list[dict[str, Any]], budget: float) -> float:
-    """Client uploads aggregated by virtual time ``budget``: updates x K for the asynchronous rules (evaluated
-    every few updates), the sum of ``round_uploads`` for the synchronous ones (evaluated every round)."""
+    """Client uploads aggregated by virtual time ``budget``."""
     last = at_time(records, budget)
-    if policy in ASYNC_UPLOADS:
-        return float(last["round"] * ASYNC_UPLOADS[policy])
-    return float(sum(r["round_uploads"] for r in records if r["round"] <= last["round"]))
+    return cumulative_uploads(policy, records)[records.index(last)]
 
 
 def per_seed(group: Group, pick: Any, value: Any) -> dict[int, float]:
@@ -91,19 +107,19 @@ def table(by_policy: dict[str, Group]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     columns = {}
-    for policy, (_, updates) in POLICIES.items():
+    for policy in POLICIES:
         g = by_policy[policy]
         uploads = {int(r.config["seed"]): uploads_by(policy, r.metrics, BUDGET) for r in g.runs}
         columns[policy] = {
             "uploads": {s: v / 100 for s, v in uploads.items()},
             "time_acc": per_seed(g, lambda m: at_time(m, BUDGET), lambda r: r["accuracy"]),
             "time_rare": per_seed(g, lambda m: at_time(m, BUDGET), rare),
-            "up_acc": per_seed(g, lambda m, u=updates: at_round(m, u), lambda r: r["accuracy"]),
-            "up_rare": per_seed(g, lambda m, u=updates: at_round(m, u), rare),
-            "up_time": per_seed(g, lambda m, u=updates: at_round(m, u), lambda r: r["virtual_time"] / 100),
+            "up_acc": per_seed(g, lambda m, p=policy: at_uploads(p, m), lambda r: r["accuracy"]),
+            "up_rare": per_seed(g, lambda m, p=policy: at_uploads(p, m), rare),
+            "up_time": per_seed(g, lambda m, p=policy: at_uploads(p, m), lambda r: r["virtual_time"] / 100),
         }
     base = columns[BASELINE]
-    for policy, (label, _) in POLICIES.items():
+    for policy, label in POLICIES.items():
         c, g = columns[policy], by_policy[policy]
         ref = None if policy == BASELINE else base
         stale = [r.metrics[-1].get("staleness_mean") for r in g.runs]
@@ -118,6 +134,23 @@ def table(by_policy: dict[str, Group]) -> str:
 
 def staleness(run: Any) -> list[float]:
     return [float(r["staleness_mean"]) for r in run.metrics if r.get("staleness_mean") is not None]
+
+
+def slow_share(group: Group) -> str:
+    """Per seed: the slow clients (mostly rare-class data) and their share of the rare classes' samples,
+    from the run's own recorded config (its partition; needs ``$FEDSKEW_DATA``)."""
+    from fedskew.engine.clock import mostly_in
+    from fedskew.experiment.config import build_config
+    from fedskew.experiment.runner import build_data
+
+    rows = ["| seed | slow clients | their share of classes 7-9's training samples |", "|---|---|---|"]
+    for run in sorted(group.runs, key=lambda r: int(r.config["seed"])):
+        cfg = build_config(run.config)
+        counts = build_data(cfg).class_counts().numpy()
+        slow = mostly_in(counts.tolist(), cfg.clock.slow_classes if cfg.clock else [])
+        share = counts[slow][:, list(RARE)].sum() / counts[:, list(RARE)].sum()
+        rows.append(f"| {cfg.seed} | {np.flatnonzero(slow).tolist()} | {100 * share:.0f}% |")
+    return "\n".join(rows)
 
 
 def figures(by_policy: dict[str, Group], folder: Path) -> None:
@@ -142,7 +175,7 @@ def figures(by_policy: dict[str, Group], folder: Path) -> None:
             curves.append(np.where(idx >= 0, v[np.clip(idx, 0, None)], np.nan))
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # before a run's first evaluation: no value yet
-            ax.plot(grid, 100 * np.nanmean(curves, 0), label=POLICIES[policy][0], lw=1.6)
+            ax.plot(grid, 100 * np.nanmean(curves, 0), label=POLICIES[policy], lw=1.6)
     ax.set_xlabel("virtual time (s)")
     ax.set_ylabel("accuracy on classes 7-9 (%)")
     ax.grid(alpha=0.3)
@@ -161,6 +194,8 @@ def main(argv: list[str]) -> None:
     if missing:
         raise SystemExit(f"no runs for {', '.join(missing)} under {root}")
     print(table(by_policy))
+    print()
+    print(slow_share(by_policy[BASELINE]))
     figures(by_policy, folder)
 
 
