@@ -15,7 +15,7 @@ from tests.conftest import digits_config
 FLAGS = {
     "personalized_eval", "requires_personalized_eval", "heterogeneous_models", "mean_aggregation",
     "vision_language", "vectorizable", "loss_reads", "working_buffers", "reads_client_scalars",
-    "discloses_client_statistics",
+    "discloses_client_statistics", "partial_work",
 }  # fmt: skip
 
 
@@ -169,3 +169,13 @@ def test_personalized_eval_decides_whether_clients_are_scored_with_their_own_wei
             sim.close()
     assert accuracy(False) == fedavg > 0.3  # the global model, per client
     assert accuracy(True) < 0.2  # the zeroed weights: one constant class
+
+
+def test_partial_work_decides_whether_a_deadline_may_cut_local_steps() -> None:
+    clock = {"deadline": 1.0, "late": "partial"}
+    with pytest.raises(ConfigError, match="'fedavg' does not declare partial_work"):
+        build_config({**digits_config(algorithm={"name": "fedavg"}), "clock": clock})
+    declared = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).partial_work]
+    assert sorted(declared) == ["fednova", "fedprox"]
+    cfg = digits_config(algorithm={"name": "fedprox"}, engine={"mode": "sequential"}, rounds=1)
+    build_simulation(build_config({**cfg, "clock": clock})).close()  # declared: allowed

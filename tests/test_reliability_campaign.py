@@ -41,6 +41,7 @@ def test_fuzzed_configs_are_accepted_or_rejected_in_one_line():
         ),
         (b"rounds: 2\n", ["client.lr=-1"], "config key 'client.lr': Input should be greater than 0"),
         (b"\xff\xfe\x00", [], "not UTF-8"),
+        (b"rounds: \x12\n", [], "invalid YAML (unacceptable character #x0012"),  # a fuzzer's find
     ],
 )
 def test_bad_input_through_the_real_command_is_one_line_with_exit_code_2(tmp_path, content, sets, expected):

@@ -73,7 +73,13 @@ def read_marked(path: Path) -> MarkedConfig:
         raise ConfigError(
             f"config file '{path}': not UTF-8 ({err.reason}); expected a YAML mapping"
         ) from None
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # checks the characters first: a control character raises here
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"config file '{path}': invalid YAML ({str(err).splitlines()[0]}); expected a YAML mapping of "
+            "printable text"
+        ) from None
     marks: dict[str, tuple[int, int]] = {}
     try:
         node = loader.get_single_node()
