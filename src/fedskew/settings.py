@@ -215,6 +215,11 @@ class EngineSection(Strict):
         description="Flower SuperNodes; client c lives on node c % nodes (data.source: nodes: on node "
         "c // data.nodes.clients)",
     )
+    insecure: bool = Field(
+        False,
+        description="flower-deployment: run the local SuperLink and SuperNodes with Flower's --insecure and "
+        "no node authentication (default: TLS and a key per node, made for the run); runtime-only",
+    )
     round_timeout: float = Field(
         600.0,
         gt=0,
@@ -316,6 +321,13 @@ class DefenceSection(_Section):
     max_norm: float | None = Field(None, description="norm_bound: the largest update norm kept (> 0)")
     eps: float = Field(1e-6, gt=0.0, description="geomed: Weiszfeld smoothing ν (Pillutla et al. 2022)")
     max_iter: int = Field(100, ge=1, description="geomed: Weiszfeld iterations at most")
+    too_few: Literal["skip", "fail"] = Field(
+        "skip",
+        description="a round left (by drops, rejections, the clock) with fewer uploads than the rule needs "
+        "for its f (krum, multi_krum: 2f + 3; bulyan: 4f + 3; median: 2f + 1): skip: the server state is "
+        "kept, one logged line, the round recorded as skipped; fail: the round fails (nothing committed, "
+        "--resume)",
+    )
 
 
 class AdaptiveClip(_Section):

@@ -59,6 +59,7 @@ from fedskew.algorithms.base import (
     weighted_average,
 )
 from fedskew.algorithms.helpers import eval_mode, frozen
+from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of, template
 from fedskew.models.base import FedModel, HeadView, embed_in_chunks
 
 #: ``RoundInfo.generator`` key of the server's virtual-feature stream
@@ -211,6 +212,15 @@ class CCVR(Algorithm):
             stats = zip(STAT_KEYS, step.derived["stats"], strict=True)
             upload.arrays.update({k: v.detach().clone() for k, v in stats})
         return LocalOutput(upload, step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model it was sent and, in a calibrating round, Eq. (2)'s statistics of the classes held."""
+        specs = specs_of(broadcast.arrays)
+        if self.calibrates(info.round):
+            d = embedding_dim(template(self.ctx, info.cid), self.name)
+            names = ("stat_classes", "stat_counts")
+            specs.update(class_rows(self.ctx.num_classes, names=names, stat_means=(d,), stat_covs=(d, d)))
+        return UploadLayout(specs)
 
     # ---------------------------------------------------------------- server
     def init_server(self, model: nn.Module) -> State:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
+    MODEL_PREFIX,
     Algorithm,
     Batch,
     Context,
@@ -80,6 +81,7 @@ from fedskew.algorithms.fedent_solver import (
     sq_dist,
     sq_norm,
 )
+from fedskew.algorithms.layouts import UploadLayout, specs_of
 from fedskew.seeding import derive_seed
 
 log = logging.getLogger("fedskew.algorithms.fedent")
@@ -165,6 +167,8 @@ class FedEnt(Algorithm):
     p: FedEntParams
     #: upload values the server needs (counted as communicated); the other probe statistics are metrics
     upload_config: ClassVar[tuple[str, ...]] = ("eta", "s", "G")
+    #: the probe statistics uploaded as metrics (the server's diagnostics read them)
+    upload_metrics: ClassVar[tuple[str, ...]] = ("eta_raw", "branch", "pbar", "clip", "neg_den", "solver_gap")
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         super().__init__(params, ctx)
@@ -380,6 +384,11 @@ class FedEnt(Algorithm):
         out.upload.metrics.update({k: v for k, v in probe.items() if k not in self.upload_config})
         return out
 
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model it was sent (not the estimators), ``upload_config`` and the probe's statistics."""
+        specs = specs_of(broadcast.arrays, lambda k: k.startswith(MODEL_PREFIX))
+        return UploadLayout(specs, frozenset(self.upload_config), frozenset(self.upload_metrics))
+
 
 # ================================================================================================ FedNorm
 @ALGORITHMS.register("fednorm")
@@ -398,6 +407,7 @@ class FedNorm(FedEnt):
     # paths FedNorm overrides (estimators, raw_eta) or never takes (start_local's fallback: closed form only)
     p: Params  # type: ignore[assignment]
     upload_config: ClassVar[tuple[str, ...]] = ("eta",)
+    upload_metrics: ClassVar[tuple[str, ...]] = ("eta_raw", "branch", "a", "G", "clip")
 
     def init_estimators(self, server: State) -> State:
         if self.p.step_estimate == "global_step":

@@ -42,6 +42,7 @@ from torch.func import functional_call
 
 from fedskew.algorithms.base import (
     ALGORITHMS,
+    MODEL_PREFIX,
     Algorithm,
     ClientView,
     Context,
@@ -60,6 +61,7 @@ from fedskew.algorithms.base import (
     model_arrays,
 )
 from fedskew.algorithms.helpers import eval_mode, no_global_model
+from fedskew.algorithms.layouts import ArraySpec, UploadLayout, specs_of, template
 from fedskew.seeding import derive_seed
 
 SELECT_KEY = 0xF0F0  # the server's ε-greedy draws
@@ -246,3 +248,11 @@ class FedFomo(Algorithm):
         upload.arrays[IDS] = step.derived[IDS].detach().clone().cpu()
         upload.arrays[WEIGHTS] = step.derived[WEIGHTS].detach().clone().float()
         return LocalOutput(upload, {**step.state, "weights": clone_state(weights)})
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The client's trained model, the ids of the candidates it was sent and their weights w_n."""
+        specs = specs_of(template(self.ctx, info.cid).state_dict(), prefix=MODEL_PREFIX)
+        m = int(broadcast.arrays[IDS].shape[0])
+        specs[IDS] = ArraySpec((m,), torch.int64, 0, self.ctx.num_clients - 1)
+        specs[WEIGHTS] = ArraySpec((m,), torch.float32)
+        return UploadLayout(specs)

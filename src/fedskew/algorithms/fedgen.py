@@ -69,6 +69,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.batching import batches_per_epoch
 from fedskew.algorithms.helpers import frozen
+from fedskew.algorithms.layouts import UploadLayout, specs_of
 from fedskew.models.base import FedModel, HeadView
 from fedskew.seeding import derive_seed
 from fedskew.update_rules import adam_l2_update
@@ -244,6 +245,10 @@ class FedGen(Algorithm):
         if info.cid is not None and server["adam"]["step"] > 0:
             payload.arrays.update({GEN_PREFIX + k: v for k, v in server["generator"].items()})
         return payload
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model it was sent (the generator is only read)."""
+        return UploadLayout(specs_of(broadcast.arrays, lambda k: not k.startswith(GEN_PREFIX)))
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         """FedAvg, then ``generator_steps`` generator updates on the uploaded heads (Eq. 4/5)."""

@@ -76,6 +76,7 @@ from fedskew.algorithms.base import (
     weighted_average,
 )
 from fedskew.algorithms.helpers import eval_mode
+from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.models.base import FedModel, embed_in_chunks
 from fedskew.seeding import derive_seed
@@ -308,6 +309,13 @@ class FedNH(Algorithm):
             counts=counts,
         )
         return LocalOutput(Payload(arrays=tensors), step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The body and s it was sent, and per class held a prototype with its count."""
+        specs = specs_of(broadcast.arrays, lambda k: k != "protos")
+        protos = broadcast.arrays["protos"]
+        specs.update(class_rows(self.ctx.num_classes, dtype=protos.dtype, protos=(protos.shape[1],)))
+        return UploadLayout(specs)
 
     # ---------------------------------------------------------------- evaluation
     def predict(

@@ -46,10 +46,13 @@ from fedskew.algorithms.base import (
     LocalStep,
     MeanInfo,
     Payload,
+    RoundInfo,
     ServerUpdate,
     State,
+    param_names,
 )
 from fedskew.algorithms.fedprox import proximal_term
+from fedskew.algorithms.layouts import ArraySpec, UploadLayout, template
 
 #: upload prefix of the normalised update ``(y_i − x) / ‖a_i‖₁`` (no reference is broadcast for it)
 NORMALIZED_PREFIX = "normalized."
@@ -126,6 +129,15 @@ class FedNova(Algorithm):
                 arrays[NORMALIZED_PREFIX + name] = (y - x[name]).zero_()
         config = {"a": a, "steps": float(result.steps)} if self.p.tau_eff == "steps" else {"a": a}
         return LocalOutput(Payload(arrays=arrays, config=config), step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model entries it was sent, those it normalises under ``normalized.``; ‖a_i‖₁ (and τ_i)."""
+        params = set(param_names(template(self.ctx, info.cid)))
+        specs = {
+            (NORMALIZED_PREFIX if self._normalizes(k, v, params) else MODEL_PREFIX) + k: ArraySpec.like(v)
+            for k, v in broadcast.model_state().items()
+        }
+        return UploadLayout(specs, frozenset({"a", "steps"} if self.p.tau_eff == "steps" else {"a"}))
 
     def server_step(self, server: State, mean: Payload, info: MeanInfo) -> ServerUpdate:
         """x + τ_eff Σ p_i (y_i − x)/‖a_i‖₁ with p_i = n_i / n (the mean's weights) and τ_eff from the

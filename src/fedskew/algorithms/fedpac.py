@@ -69,6 +69,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.fedper import personal_names
 from fedskew.algorithms.helpers import eval_mode, no_global_model
+from fedskew.algorithms.layouts import ArraySpec, UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.errors import ConfigError
 from fedskew.models.base import FedModel, embed_in_chunks
@@ -314,6 +315,14 @@ class FedPAC(Algorithm):
             stat_v=step.derived["stat_v"].reshape(1).to(torch.float32),
         )
         return LocalOutput(Payload(arrays=arrays), step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The body and head it was sent; per class held a prototype, its count and the statistics' class
+        mean; V."""
+        specs = specs_of(broadcast.arrays, lambda k: k not in ("classes", "protos"))
+        specs.update(class_rows(self.ctx.num_classes, protos=(self.dim,), stat_means=(self.dim,)))
+        specs["stat_v"] = ArraySpec((1,), torch.float32)
+        return UploadLayout(specs)
 
 
 __all__ = ["FedPAC", "collaboration_matrices", "feature_statistics", "project_simplex", "simplex_qp"]

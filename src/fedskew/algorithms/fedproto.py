@@ -57,6 +57,7 @@ from fedskew.algorithms.base import (
     embedding_dim,
 )
 from fedskew.algorithms.helpers import eval_mode, no_global_model
+from fedskew.algorithms.layouts import UploadLayout, class_rows
 from fedskew.algorithms.protos import (
     ClassAccumulator,
     aggregate_prototypes,
@@ -222,6 +223,11 @@ class FedProto(Algorithm):
         counts = client.class_counts.to(classes.device)[classes].long()
         upload = Payload(arrays={"classes": classes, "protos": protos.detach().clone(), "counts": counts})
         return LocalOutput(upload, {**step.state, "weights": clone_state(model.state_dict())})
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """Only prototypes, of the classes held, with their counts (Eq. 6's weights)."""
+        protos = broadcast.arrays["protos"]
+        return UploadLayout(class_rows(self.ctx.num_classes, dtype=protos.dtype, protos=(protos.shape[1],)))
 
     # ---------------------------------------------------------------- evaluation
     def predict(

@@ -69,6 +69,7 @@ from fedskew.algorithms.base import (
     sample_weights,
     weighted_average,
 )
+from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import class_means, pack
 from fedskew.models.base import embed_in_chunks
 
@@ -383,3 +384,10 @@ class FedSKC(Algorithm):
         tensors = model_arrays(model.state_dict())
         tensors.update(classes=classes, protos=protos.detach().clone())
         return LocalOutput(Payload(arrays=tensors, metrics=metrics), step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model it was sent and per class held its structural prototype (over the C logits)."""
+        specs = specs_of(broadcast.arrays, lambda k: k not in ("protos", "has"))
+        c = self.ctx.num_classes
+        specs.update(class_rows(c, names=("classes", ""), protos=(c,)))
+        return UploadLayout(specs)

@@ -55,6 +55,7 @@ from fedskew.algorithms.base import (
     model_arrays,
     server_arrays,
 )
+from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import class_sums, kmeans, nearest_prototype_scores
 from fedskew.models.base import FedModel, embed_in_chunks
 
@@ -358,6 +359,14 @@ class MPFedCL(Algorithm):
             protos, classes = [z.new_zeros((0, z.shape[1]))], [y.new_zeros((0,), dtype=torch.long)]
         tensors.update(protos=torch.cat(protos).detach().clone(), classes=torch.cat(classes))
         return LocalOutput(Payload(arrays=tensors), state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The model it was sent (not the pool) and its prototypes with their class ids (how many per class
+        depends on the clustering)."""
+        specs = specs_of(broadcast.arrays, lambda k: not k.startswith("pool_"))
+        d = broadcast.arrays["pool_protos"].shape[1]
+        specs.update(class_rows(self.ctx.num_classes, "m", names=("classes", ""), protos=(d,)))
+        return UploadLayout(specs)
 
     # ---------------------------------------------------------------- evaluation
     def eval_weights(self, payload: Payload, state: State | None) -> Mapping[str, Tensor]:

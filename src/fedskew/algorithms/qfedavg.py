@@ -41,10 +41,12 @@ from fedskew.algorithms.base import (
     ServerUpdate,
     State,
     Upload,
+    param_names,
     sample_weights,
     weighted_average,
 )
 from fedskew.algorithms.helpers import eval_mode
+from fedskew.algorithms.layouts import ArraySpec, UploadLayout, template
 
 #: upload prefix of Δ_k (one array per trainable parameter)
 DELTA_PREFIX = "delta."
@@ -111,6 +113,15 @@ class QFedAvg(Algorithm):
         h = lipschitz * loss**q + (q * loss ** (q - 1) * sq_norm if q != 0 else 0.0)
         arrays.update({DELTA_PREFIX + n: loss**q * d for n, d in delta_w.items()})  # Δ_k = F_k^q ΔW_k
         return LocalOutput(Payload(arrays=arrays, config={"h": h}), step.state)
+
+    def upload_layout(self, broadcast: Payload, info: RoundInfo) -> UploadLayout:
+        """The buffers as trained, the parameters as Δ_k (``delta.``), and h_k."""
+        params = set(param_names(template(self.ctx, info.cid)))
+        specs = {
+            (DELTA_PREFIX if k in params else MODEL_PREFIX) + k: ArraySpec.like(v)
+            for k, v in broadcast.model_state().items()
+        }
+        return UploadLayout(specs, frozenset({"h"}))
 
     def aggregate(self, server: State, uploads: list[Upload], info: RoundInfo) -> ServerUpdate:
         w = server["weights"]

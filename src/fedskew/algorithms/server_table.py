@@ -23,6 +23,7 @@ that is where the engine looks for tables to spill and to checkpoint.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -78,8 +79,8 @@ class SpilledRow:
     device: str = "cpu"
 
     def load(self) -> Row:
-        try:
-            with open(self.path, "rb") as f:
+        try:  # O_NOFOLLOW: a link planted in a crafted output folder is not followed out of it
+            with os.fdopen(os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
                 ok = f.seek(0, 2) == self.size
                 f.seek(0)
                 data = torch.load(f, map_location=self.device, weights_only=True) if ok else None

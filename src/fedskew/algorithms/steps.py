@@ -28,6 +28,12 @@ class ContractError(RuntimeError):
     """An algorithm broke the contract (e.g. wrote into its scratch mapping outside ``init_scratch``)."""
 
 
+class RoundSkipped(Exception):
+    """Raised by :meth:`Algorithm.aggregate` to keep the server state for the round: the loop logs the message
+    (one line) and records the round as skipped, as one without uploads. A robust rule left with fewer uploads
+    than its f needs raises it under ``defence.too_few: skip`` (fedskew.algorithms.security.secured)."""
+
+
 @dataclass(frozen=True)
 class RoundInfo:
     """Where a hook runs: the round (1-based), the client (``None``: the server or global evaluation) and

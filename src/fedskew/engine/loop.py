@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fedskew.algorithms.base import Algorithm, ContractError, MeanInfo, Payload, RoundInfo, State
+from fedskew.algorithms.steps import RoundSkipped
 from fedskew.engine.clock import RoundTiming, Selection, VirtualClock
 from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
@@ -169,7 +170,11 @@ class Simulation:
                 self.server, Payload(arrays=mean), MeanInfo(info, uploads, weights)
             )
         elif uploads:
-            update = self.algorithm.aggregate(self.server, uploads, info)
+            try:
+                update = self.algorithm.aggregate(self.server, uploads, info)
+            except RoundSkipped as why:  # the method kept the server state (e.g. defence.too_few: skip)
+                log.warning("round %d: %s; the round is skipped", r, why)
+                uploads = []
         server = self.server if update is None else update.state
         t2 = time.perf_counter()
         states = {o.cid: o.state for o in outcomes if o.state is not None}
@@ -178,7 +183,7 @@ class Simulation:
         record = None
         if r % self.every == 0 or r == self.rounds:
             record = self._record(r, server, states, outcomes, traffic)
-            record.update({} if update is None else update.metrics)
+            record.update({"skipped": True} if update is None else update.metrics)
             record.update(self.clock_record(selection, timing))
             record = self.algorithm.released(record)
         t3 = time.perf_counter()

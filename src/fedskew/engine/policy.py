@@ -1,18 +1,22 @@
 """What happens to a client that fails: one rule, ``engine.on_client_error``, for every runtime.
 
-A client fails in one of two ways: its training **raises** (a bug in this process, a ClientApp that failed
-on its node) or it produces a **non-finite** loss or upload (a diverging client). The setting decides,
-per failure, whether the client is left out of the round (``reject``: logged and counted in the record's
-``rejected``) or the round fails (``fail``: a :class:`ClientError`, nothing of the round is committed, and
-``--resume`` continues from the last committed round):
+A client fails in one of three ways: its training **raises** (a bug in this process, a ClientApp that
+failed on its node), it produces a **non-finite** loss or upload (a diverging client), or its node's reply
+is **refused** (a reply that is not what the server asked for: :mod:`fedskew.engine.replies`). The setting
+decides, per failure, whether the client is left out of the round (``reject``: logged and counted in the
+record's ``rejected``) or the round fails (``fail``: a :class:`ClientError`, nothing of the round is
+committed, and ``--resume`` continues from the last committed round):
 
-=================  ===========  ============
-setting            raised       non-finite
-=================  ===========  ============
-drop_non_finite    fail         reject
-drop               reject       reject
-fail               fail         fail
-=================  ===========  ============
+=================  ===========  ============  ============
+setting            raised       non-finite    refused
+=================  ===========  ============  ============
+drop_non_finite    fail         reject        reject
+drop               reject       reject        reject
+fail               fail         fail          fail
+=================  ===========  ============  ============
+
+A refused reply is decided as a non-finite upload (:data:`Failure.NON_FINITE`), not as a bug: by default a
+broken or hostile node loses its clients for the round and the honest nodes' round goes on.
 
 The embedded engine (:mod:`fedskew.engine.client`, :mod:`fedskew.engine.loop`) and the Flower server
 (:mod:`fedskew.flower.server`) call the functions below and nothing else, so the two runtimes cannot
@@ -45,7 +49,7 @@ class Failure(enum.Enum):
     """How a client failed."""
 
     RAISED = "raised"  # its training raised (this process or its node)
-    NON_FINITE = "non-finite"  # NaN / Inf in its training loss or its upload
+    NON_FINITE = "non-finite"  # NaN / Inf in its training loss or its upload (and a refused reply)
 
 
 class Decision(enum.Enum):
@@ -76,6 +80,17 @@ def client_raised(on_client_error: str, what: str) -> None:
             f"{what}; the round was not committed (engine.on_client_error={on_client_error}; {ALLOWED})"
         )
     log.warning("%s; dropped from the round", what)
+
+
+def reply_refused(on_client_error: str, what: str) -> None:
+    """Apply the policy to clients whose node's reply was refused; ``what`` names the round, the node, the
+    clients and the problem in one line. Raises :class:`ClientError` when the round must fail; otherwise logs
+    that the clients are rejected from the round, and the caller rejects them."""
+    if decide(on_client_error, Failure.NON_FINITE) is Decision.FAIL:  # decided as a non-finite upload
+        raise ClientError(
+            f"{what}; the round was not committed (engine.on_client_error={on_client_error}; {ALLOWED})"
+        )
+    log.warning("%s; rejected from the round", what)
 
 
 def finite_upload(payload: Payload, round_idx: int, cid: int) -> bool:

@@ -17,7 +17,8 @@ Files are immutable: the state client ``c`` committed in round ``r`` is ``r<r>-c
 (:meth:`SpillingStates.state_dict`) names the files it needs, and a file is deleted only once neither the
 current states nor the last two checkpoints (``checkpoint.pt`` and ``checkpoint.prev.pt``) name it, so a
 resume from either finds its states. File contents are not digested (a SHA-256 per spill would cost about
-as much as the write); their sizes are checked when read.
+as much as the write); their sizes are checked when read, and a symbolic link in their place is not followed.
+A checkpoint's file names are refused unless they are names this store writes (:func:`spill_name`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import tempfile
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 import torch.utils.serialization
@@ -121,6 +122,12 @@ def spill_name(name: object, pattern: re.Pattern[str], what: str) -> str:
     return name
 
 
+def open_no_link(path: Path) -> BinaryIO:
+    """``path`` opened for reading, refusing (``OSError``) a symbolic link: a link planted in a crafted output
+    folder is never followed out of it."""
+    return os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
+
+
 def write_file(path: Path, obj: Any) -> int:
     """``torch.save`` ``obj`` to ``path`` through a temporary file renamed into place; the file's size."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -196,12 +203,14 @@ class SpillingStates:
     def _load(self, cid: int) -> State:
         name, size = self._spilled[cid]
         path = self.folder() / name
+        state: State | None = None
         try:
-            ok = path.stat().st_size == size
-            state: State = torch.load(path, map_location="cpu", weights_only=True) if ok else {}
-        except (OSError, RuntimeError, EOFError):
-            ok = False
-        if not ok:
+            with open_no_link(path) as f:
+                if os.fstat(f.fileno()).st_size == size:
+                    state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception:  # missing, a link, truncated, a pickle payload: torch raises several types
+            state = None
+        if not isinstance(state, dict):
             raise FedskewError(
                 f"client {cid}'s state file '{path}' is missing or damaged; rerun with --force to start over"
             )
@@ -290,7 +299,9 @@ class SpillingStates:
         # already in the folder: keep them all until two more snapshots have been taken
         folder = self._folder
         on_disk = (
-            {p.name for p in folder.glob("r*-c*.pt")} if folder is not None and folder.is_dir() else set()
+            {p.name for p in folder.iterdir() if STATE_FILE.fullmatch(p.name)}
+            if folder is not None and folder.is_dir()
+            else set()
         )
         self._held.clear()
         self._held.append(on_disk | {name for name, _ in self._spilled.values()})

@@ -190,7 +190,9 @@ class TableStore:
         # the snapshot names these; the one before it may name any row file already in the folder
         folder = self._folder
         on_disk = (
-            {p.name for p in folder.glob("t*-r*-c*.pt")} if folder is not None and folder.is_dir() else set()
+            {p.name for p in folder.iterdir() if ROW_FILE.fullmatch(p.name)}
+            if folder is not None and folder.is_dir()
+            else set()
         )
         self._files = on_disk | named
         self._held.clear()

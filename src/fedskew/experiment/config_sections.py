@@ -165,7 +165,7 @@ class LogSection(Strict):
 #: compared with a planned one (resume, sweeps) and when runs are grouped for a report
 WATCH_ONLY = ("name", "log")
 #: keys that say how a run uses the machine, not what it computes: left out alike (docs/decisions.md)
-RUNTIME_ONLY = {"engine": ("threads",)}
+RUNTIME_ONLY = {"engine": ("threads", "insecure")}
 
 
 def results_config(config: dict[str, Any]) -> dict[str, Any]:

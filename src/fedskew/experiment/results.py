@@ -26,7 +26,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,39 +189,94 @@ def tree_digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-def _read_checkpoint(path: Path) -> dict[str, Any] | None:
-    """The checkpoint at ``path``, or ``None`` when it cannot be read back whole. torch does not check the
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _history(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(r, dict) and _count(r.get("round")) for r in v)
+
+
+def _provenance(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and isinstance(v.get("resumed_from", []), list))
+
+
+#: the top-level fields read before the simulation loads the rest (which checks its own: :func:`restore`),
+#: each with the test its value passes in a checkpoint :func:`save_checkpoint` writes (absent: ``None``)
+_LAYOUT: dict[str, Callable[[Any], bool]] = {
+    "round": _count,
+    "history": _history,
+    "server": lambda v: isinstance(v, dict),
+    "clients": lambda v: isinstance(v, dict),
+    "wall_seconds": lambda v: v is None or _number(v),
+    "provenance": _provenance,
+}
+
+
+def _read_checkpoint(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint at ``path`` and ``""``, or ``None`` and why it cannot be used. torch does not check the
     CRCs of its zip records, so a flipped bit in a tensor would load silently: the content digest saved
-    with the checkpoint catches it."""
+    with the checkpoint catches it. The digest is mandatory (every checkpoint fedskew writes has one): it
+    guards against damage, not forgery (anyone who can write the folder can compute it), so the content is
+    checked as well, here and when it is loaded."""
+    damaged = "is truncated or corrupted"
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # truncated zip, bad pickle, ...: torch raises several types
-        return None
+        return None, damaged
     if not (isinstance(sd, dict) and {"round", "server", "history"} <= sd.keys()):
-        return None
+        return None, damaged
     saved = sd.get(DIGEST_KEY)
-    return sd if saved is None or saved == tree_digest(sd) else None
+    if saved is None:
+        return None, f"has no content digest ('{DIGEST_KEY}'), which every checkpoint fedskew writes has"
+    try:
+        if not (isinstance(saved, str) and saved == tree_digest(sd)):
+            return None, damaged
+    except RecursionError:  # nested deeper than any state: not a checkpoint fedskew wrote
+        return None, damaged
+    bad = [key for key, ok in _LAYOUT.items() if not ok(sd.get(key))]
+    return (None, f"does not have the layout fedskew writes ({', '.join(bad)})") if bad else (sd, "")
 
 
 def load_checkpoint(out: Path) -> dict[str, Any] | None:
     """The checkpoint to resume from: ``checkpoint.pt``, or the previous one when it is missing (a kill
-    between the renames of a checkpoint write). A damaged ``checkpoint.pt`` is an error naming the file
-    and the fix; the previous checkpoint is never used silently in its place."""
+    between the renames of a checkpoint write). A damaged (or unusable) ``checkpoint.pt`` is an error naming
+    the file and the fix; the previous checkpoint is never used silently in its place."""
     path, prev = out / CHECKPOINT_FILE, out / CHECKPOINT_PREV
     if not path.is_file():
         path = prev
         if not path.is_file():
             return None
-    sd = _read_checkpoint(path)
+    sd, why = _read_checkpoint(path)
     if sd is not None:
         return sd
-    older = _read_checkpoint(prev) if path != prev and prev.is_file() else None
+    older = _read_checkpoint(prev)[0] if path != prev and prev.is_file() else None
     fix = (
         f"delete it to resume from '{prev}' (round {older['round']})"
         if older is not None
         else "rerun with --force to start over"
     )
-    raise FedskewError(f"checkpoint '{path}' is truncated or corrupted; {fix}")
+    raise FedskewError(f"checkpoint '{path}' {why}; {fix}")
+
+
+def restore(sim: Simulation, ckpt: dict[str, Any]) -> None:
+    """Load ``ckpt`` into ``sim``. Content this version does not write (a crafted checkpoint passes the
+    digest) is refused with one line, never a traceback; file names in it are refused by the stores that use
+    them."""
+    try:
+        sim.load_state_dict(ckpt)
+    except FedskewError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        what = " ".join(f"{type(err).__name__}: {err}".split())[:100]
+        raise FedskewError(
+            f"the checkpoint's content does not have the layout fedskew writes ({what}); rerun with --force "
+            "to start over"
+        ) from None
 
 
 def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
@@ -281,6 +336,15 @@ def prepare_output(out: Path, cfg: Config, resume: bool, force: bool) -> dict[st
     if exists and not (resume or force):
         raise FedskewError(f"output folder '{out}' exists and is not empty; pass --resume or --force")
     out.mkdir(parents=True, exist_ok=True)
+    states = out / STATES_DIR
+    if states.is_symlink():  # a run never makes one: spilling (and deleting) through it would leave `out`
+        if resume and exists:
+            raise FedskewError(
+                f"'{STATES_DIR}' in '{out}' is a symbolic link, which no run makes; refusing to resume "
+                "through it (rerun with --force to start over)"
+            )
+        if force:
+            states.unlink()  # the link, never what it points to
     if resume and exists:
         saved = out / CONFIG_FILE
         # every changed key named; only rounds may change (an exact extension: experiment/extension.py)

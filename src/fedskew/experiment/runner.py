@@ -50,6 +50,7 @@ from fedskew.experiment.results import (
     make_summary,
     output_lock,
     prepare_output,
+    restore,
     save_checkpoint,
     tree_digest,
     write_atomic,
@@ -135,7 +136,7 @@ def _run(
 ) -> dict[str, Any]:
     elapsed0 = 0.0
     if ckpt is not None:
-        sim.load_state_dict(ckpt)
+        restore(sim, ckpt)  # crafted content: one line, never a traceback
         elapsed0 = float(ckpt.get("wall_seconds", 0.0))
     if out_dir is not None:
         write_text(out_dir / CONFIG_FILE, dump_config(cfg))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
+from fedskew.flower.credentials import Tls, node_keys, register_keys, write_tls
 from fedskew.flower.logs import FLOWER_LOG, append_process_logs
 from fedskew.flower.node import THREADS_KEY
 from fedskew.flower.silos import DATA_ROOT_KEY
@@ -63,15 +64,6 @@ def _bin(name: str) -> str:
     return str(local) if local.exists() else name
 
 
-@dataclass
-class Tls:
-    """TLS files: the CA certificate everyone trusts, the SuperLink's certificate (for 127.0.0.1) and key."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-
 def deployment_pids(home: Path) -> list[int]:
     """Processes whose environment names ``home`` as ``FLWR_HOME``: every process of one deployment,
     including those Flower starts in a session of their own (the SuperLink's SuperExec and ServerApp)."""
@@ -86,16 +78,30 @@ def deployment_pids(home: Path) -> list[int]:
     return [p for p in pids if p != os.getpid()]
 
 
+def write_flower_config(home: Path, port: int, tls: Tls | None) -> None:
+    """The ``flwr`` CLI's config in ``home``: the local SuperLink, over TLS when ``tls`` is given."""
+    conn: dict[str, Any] = {"address": f"127.0.0.1:{port}"}
+    if tls is None:
+        conn["insecure"] = True
+    else:
+        conn["root-certificates"] = str(tls.ca)
+    lines = ["[superlink]", 'default = "local"', "", "[superlink.local]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+
+
 @dataclass
 class LocalDeployment:
     """SuperLink + SuperNodes on loopback; use as a context manager, then :meth:`run` experiments on it.
 
     ``node_config``: extra node-config values per node index (e.g. ``data-root``; ``threads`` overrides
-    ``threads``: torch threads per node, 0 for :func:`node_threads`). ``tls``: serve over TLS (else
-    ``--insecure``). ``node_keys``: the private key (OpenSSH, NIST curve) each node index authenticates with;
-    with any, the SuperLink runs with ``--enable-supernode-auth`` and registers the public keys in
-    ``registered``. ``state_root``: where node ``i`` keeps its clients' states (``state_root/i``; default: the
-    temporary folder). ``warm``: ClientApp processes are forked from one process that has imported Flower,
+    ``threads``: torch threads per node, 0 for :func:`node_threads`). Secure by default: without ``tls`` and
+    ``node_keys`` the deployment makes both for itself (:mod:`fedskew.flower.credentials`); ``insecure=True``
+    runs Flower's ``--insecure`` without node authentication. ``tls``: serve over TLS with these files.
+    ``node_keys``: the private key (OpenSSH, NIST curve) each node index authenticates with; with any, the
+    SuperLink runs with ``--enable-supernode-auth`` and registers the public keys in ``registered``.
+    ``state_root``: where node ``i`` keeps its clients' states (``state_root/i``; default: the temporary
+    folder). ``warm``: ClientApp processes are forked from one process that has imported Flower,
     torch and fedskew already (:mod:`fedskew.flower.warm`). ``log_file``: the processes' output goes there."""
 
     nodes: int
@@ -110,6 +116,7 @@ class LocalDeployment:
     warm: bool = True
     threads: int = 0  # decided once when the deployment starts, before any process of ours loads the cores
     log_file: Path | None = None
+    insecure: bool = False  # engine.insecure: Flower's --insecure, no node authentication
 
     # ------------------------------------------------------------------ processes
     def env(self) -> dict[str, str]:
@@ -188,9 +195,13 @@ class LocalDeployment:
         self.close()
 
     def start(self) -> None:
+        if not self.insecure:  # secure by default: what was not given is made for this deployment
+            self.tls = self.tls or write_tls(self.home / "tls")
+            if not self.node_keys:
+                self.node_keys, self.registered = node_keys(self.home / "keys", self.nodes)
         self.threads = node_threads(self.nodes, self.threads)
         self.port = free_port()
-        self.write_flower_config()
+        write_flower_config(self.home, self.port, self.tls)
         args = [_bin("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
         args.append("--disable-runtime-dependency-installation")
         if self.tls is None:
@@ -204,8 +215,7 @@ class LocalDeployment:
         if self.warm:
             self.start_warm()
         self.wait_port()
-        for public in self.registered:
-            self.flwr(["supernode", "register", str(public), "local"])
+        register_keys(self.registered, [_bin("flwr"), "supernode", "register"], self.env())
         for index in range(self.nodes):
             self.start_node(index)
 
@@ -248,16 +258,6 @@ class LocalDeployment:
         return "\n".join(text.splitlines()[-lines:])
 
     # ------------------------------------------------------------------ the flwr CLI
-    def write_flower_config(self) -> None:
-        conn: dict[str, Any] = {"address": f"127.0.0.1:{self.port}"}
-        if self.tls is None:
-            conn["insecure"] = True
-        else:
-            conn["root-certificates"] = str(self.tls.ca)
-        lines = ["[superlink]", 'default = "local"', "", "[superlink.local]"]
-        lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
-        (self.home / "config.toml").write_text("\n".join(lines) + "\n")
-
     def flwr(self, args: list[str], timeout: float | None = 120) -> str:
         done = subprocess.run(
             [_bin("flwr"), *args],
@@ -351,8 +351,9 @@ def run_deployment(cfg: Config, out: str | Path | None, resume: bool, force: boo
         roots = dict(enumerate(cfg.data.nodes.roots)) if cfg.data.source == "nodes" else {}
         own = {i: {DATA_ROOT_KEY: str(Path(root).expanduser().resolve())} for i, root in roots.items()}
         deployment = LocalDeployment(
-            cfg.engine.nodes, state_root=states, node_config=own, threads=cfg.engine.threads
-        )
+            cfg.engine.nodes, state_root=states, node_config=own, threads=cfg.engine.threads,
+            insecure=cfg.engine.insecure,
+        )  # fmt: skip
         deployment.log_file = target / FLOWER_LOG  # Flower's processes' output beside the results
         with deployment as dep:
             return dep.run([Job(cfg, target, resume, force)])[0]

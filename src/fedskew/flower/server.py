@@ -15,8 +15,10 @@ Faults: a node that does not reply within ``engine.round_timeout`` seconds, or t
 (no heartbeat: ``NODE_UNAVAILABLE``; an expired message), loses its clients for that round (``dropped`` in
 the metrics record; the round goes on with the others). A ClientApp that fails (an error reply) and a
 non-finite upload follow ``engine.on_client_error`` exactly as a client that raises or diverges in the
-embedded engine (:mod:`fedskew.engine.policy`). A restarted node gets a new Flower node id and is found
-again by its ``partition-id`` on the next round.
+embedded engine (:mod:`fedskew.engine.policy`). No reply is trusted: client ids, sample counts, losses and
+each upload's arrays are checked against the request and the method's layout before any is used
+(:mod:`fedskew.engine.replies`); a refused client follows ``engine.on_client_error`` as a non-finite one.
+A restarted node gets a new Flower node id and is found again by its ``partition-id`` on the next round.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedskew.algorithms.base import Algorithm, RoundInfo, Upload
+from fedskew.algorithms.base import Algorithm, RoundInfo
 from fedskew.engine.assembly import initial_server
 from fedskew.engine.evaluation import Evaluator
 from fedskew.engine.loop import Simulation
-from fedskew.engine.policy import client_raised, finite_upload
+from fedskew.engine.policy import client_raised, reply_refused
+from fedskew.engine.replies import check_reply
 from fedskew.engine.runtime import ModelCache
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.table_store import TableStore
@@ -298,7 +301,8 @@ class FlowerExecutor:
         self, r: int, cids: list[int], payloads: dict[int, Any], reply: Message | None
     ) -> dict[int, ClientOutcome]:
         """The outcomes of one node's clients: dropped (no reply), rejected (error reply, client not
-        accepted on the node, or a non-finite upload) or accepted."""
+        accepted on the node, or refused by the reply's checks: :mod:`fedskew.engine.replies`) or
+        accepted."""
         if reply is None or (reply.has_error() and reply.error.code in LOST):
             why = f"within {self.map.timeout:.0f} s" if reply is None else f"({reply.error.reason})"
             log.warning("round %d: no reply for clients %s %s: dropped", r, cids, why)
@@ -308,15 +312,30 @@ class FlowerExecutor:
             what = f"round {r}: clients {cids} failed on their node: {reply.error.reason}"
             client_raised(self.cfg.engine.on_client_error, what)
             return out
-        info = config(reply.content, "job")
-        for cid, loss, n in zip(info["accepted"], info["loss"], info["samples"], strict=True):
-            payload = get_payload(reply.content, f"u.{cid}", self.device)
-            if not finite_upload(payload, r, int(cid)):
-                continue
-            o = out[int(cid)]
-            o.accept(Upload(cid=int(cid), num_samples=int(n), payload=payload))
-            o.state, o.loss = {REF_KEY: r}, float(loss)
+        content = reply.content
+        job = config(content, "job") if "job" in content.config_records else None
+        checked = check_reply(
+            self.algorithm, RoundInfo(r, None, self.cfg.seed), cids, job,
+            lambda cid: get_payload(content, f"u.{cid}", self.device), payloads,
+        )  # fmt: skip
+        self.refuse(r, cids, reply, checked.refused)
+        for entry in checked.accepted:
+            o = out[entry.upload.cid]
+            o.accept(entry.upload)
+            o.state, o.loss = {REF_KEY: r}, entry.loss
         return out
+
+    def refuse(self, r: int, cids: list[int], reply: Message, refused: dict[int, str]) -> None:
+        """One line per problem of a node's reply, naming the node, the clients and the problem, under
+        ``engine.on_client_error`` (the round fails, or the clients are rejected from it)."""
+        by_problem: dict[str, list[int]] = {}
+        for cid, problem in refused.items():
+            by_problem.setdefault(problem, []).append(cid)
+        node = f"node {self.home(cids[0])} (Flower node {reply.metadata.src_node_id})"
+        for problem, which in by_problem.items():
+            who = f"client {which[0]}" if len(which) == 1 else f"clients {which}"
+            what = f"round {r}: {node}: reply for {who} refused: {problem}"
+            reply_refused(self.cfg.engine.on_client_error, what)
 
     def close(self) -> None:
         pass

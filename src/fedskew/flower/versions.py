@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
 from flwr.app import ConfigRecord, Context
 
+from fedskew.errors import FedskewError
 from fedskew.flower.records import config
 
 #: node-config key: a folder where the node keeps client states across Flower runs and restarts
 STATE_DIR_KEY = "state-dir"
 STATE_PREFIX = "fedskew.state."  # Context.state key prefix of a client's versions
 FLOOR_PREFIX = "fedskew.floor."
+#: what a node accepts as the experiment's folder name (the server sends a 20-digit hex key)
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class Versions(Protocol):
@@ -103,9 +107,23 @@ class DiskVersions:
                     path.unlink()
 
 
+def experiment_folder(root: Path, experiment: str) -> Path:
+    """The folder of ``experiment`` under a node's ``state-dir`` ``root``. The name comes from the server
+    (a hex key: :func:`fedskew.flower.server.experiment_key`): one that is not a single plain folder name
+    (``..``, a separator, an absolute path, a NUL) is refused with one line, never joined to ``root``, so a
+    hostile server cannot make the node write or delete files elsewhere."""
+    name = experiment or "default"
+    if EXPERIMENT_NAME.fullmatch(name) is None:
+        raise FedskewError(
+            f"the server names this node's state folder {name[:80]!r}, not a single folder name "
+            f"({EXPERIMENT_NAME.pattern}); refusing it"
+        )
+    return root / name
+
+
 def versions_of(context: Context, experiment: str) -> Versions:
     """The node's store for ``experiment`` (a key naming it): on disk when the node has a ``state-dir``."""
     root = str(context.node_config.get(STATE_DIR_KEY, ""))
     if not root:
         return ContextVersions(context)
-    return DiskVersions(Path(root) / (experiment or "default"))
+    return DiskVersions(experiment_folder(Path(root), experiment))

@@ -10,6 +10,7 @@ only these tables, so a plugin registers an attack or a defence without touching
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,12 +70,14 @@ class DefenceInput:
 @dataclass(frozen=True)
 class DefenceRule:
     """One ``defence.name``: ``apply`` (``None``: the method's own mean of the uploads as sent),
-    ``byzantine`` (``(a, b)``: the rule assumes a fraction of malicious uploads and needs m ≥ a·f + b) and
-    its config ``check``."""
+    ``byzantine`` (``(a, b)``: the rule assumes a fraction of malicious uploads and needs m ≥ a·f + b, in
+    the config and in every round), its config ``check`` and, for a rule without ``byzantine`` whose own
+    setting bounds the malicious uploads it tolerates, ``tolerates(section, n)`` (trimmed mean: ⌊βn⌋)."""
 
     apply: Callable[[DefenceSection, DefenceInput], Defended] | None = None
     byzantine: tuple[int, int] | None = None
     check: Callable[[DefenceSection], None] = _no_check
+    tolerates: Callable[[DefenceSection, int], int] | None = None
 
 
 #: ``attack.name`` -> :class:`AttackRule`
@@ -158,7 +161,11 @@ DEFENCES.register("median")(
     DefenceRule(_value(lambda d, x: robust.coordinate_median(x.deltas)), byzantine=(2, 1))
 )
 DEFENCES.register("trimmed_mean")(
-    DefenceRule(_value(lambda d, x: robust.trimmed_mean(x.deltas, d.beta)), check=_check_trimmed)
+    DefenceRule(
+        _value(lambda d, x: robust.trimmed_mean(x.deltas, d.beta)),
+        check=_check_trimmed,
+        tolerates=lambda d, n: math.floor(d.beta * n),  # the k values trimmed at each end (Yin et al. 2018)
+    )
 )
 DEFENCES.register("bulyan")(
     DefenceRule(_value(lambda d, x: robust.bulyan(x.deltas, x.byzantine)), byzantine=(4, 3))
@@ -187,3 +194,13 @@ def poisons_data(attack: AttackSection) -> bool:
 def replaces_mean(defence: DefenceSection) -> bool:
     """Whether ``defence`` changes the uploads or their mean (``mean``: the method's own)."""
     return DEFENCES.get(defence.name).apply is not None
+
+
+def tolerance(defence: DefenceSection, byzantine: int, n: int) -> int | None:
+    """The malicious uploads ``defence`` tolerates in a round of ``n`` uploads: its assumed f
+    (``byzantine``) for a rule with a stated f, ``tolerates`` for one bounded by its own setting, ``None``
+    for a rule that states no bound (mean, norm_bound, geomed)."""
+    rule = DEFENCES.get(defence.name)
+    if rule.byzantine is not None:
+        return byzantine
+    return None if rule.tolerates is None else rule.tolerates(defence, n)

@@ -55,7 +55,9 @@ from fedskew.algorithms.base import (
 from fedskew.algorithms.security import robust
 from fedskew.algorithms.security.config import NOT_PRIVATE, SecurityPlan, count_noise
 from fedskew.algorithms.security.randomness import secret_normal
-from fedskew.algorithms.security.rules import ATTACKS, DEFENCES, DefenceInput, poisons_data
+from fedskew.algorithms.security.rules import ATTACKS, DEFENCES, DefenceInput, poisons_data, tolerance
+from fedskew.algorithms.steps import RoundSkipped
+from fedskew.errors import RunFailure
 
 MALICIOUS = "security.malicious"  # the derived flag of a malicious client (0-d float tensor)
 CLIP_KEY = "dp_clip"  # server state: the current clip norm (adaptive clipping)
@@ -147,6 +149,40 @@ def public_integers(upload: Payload, broadcast: Payload) -> dict[str, Tensor]:
     return arrays
 
 
+class TooFewUploads(RunFailure):
+    """``defence.too_few: fail``: a round's accepted uploads are fewer than its robust rule needs for its f;
+    the round fails (nothing of it is committed, ``--resume`` continues from the last committed round)."""
+
+
+def check_cohort(plan: SecurityPlan, uploads: list[Upload], round_idx: int) -> dict[str, float]:
+    """A robust rule's assumptions checked against the round's accepted uploads (after drops, rejections and
+    the virtual clock), not only against the configured m: with fewer than a·f + b uploads the round is
+    skipped (:class:`RoundSkipped`) or fails (:class:`TooFewUploads`), as ``defence.too_few`` says. The
+    simulation knows the attackers: where the round's malicious uploads exceed what the rule tolerates,
+    one warning line and the record's ``attackers_over_f`` / ``attackers`` (docs/decisions.md, issue 51
+    item 5)."""
+    d, f, n = plan.defence, plan.byzantine, len(uploads)
+    condition = DEFENCES.get(d.name).byzantine
+    if condition is not None and n < condition[0] * f + condition[1]:
+        a, b = condition
+        what = f"defence.name={d.name} needs {a * f + b} uploads ({a}f + {b}, f = {f}), the round has {n}"
+        if d.too_few == "fail":
+            raise TooFewUploads(
+                f"round {round_idx}: {what}; the round was not committed (defence.too_few=fail; allowed: "
+                "skip, fail)"
+            )
+        raise RoundSkipped(f"{what} (defence.too_few=skip)")
+    tolerated = tolerance(d, f, n)
+    attackers = sum(plan.is_malicious(u.cid) for u in uploads)
+    if plan.attack.name == "none" or tolerated is None or attackers <= tolerated:
+        return {}
+    log.warning(
+        "round %d: %d malicious uploads of %d exceed the %d defence.name=%s tolerates (simulation: the "
+        "attackers are known)", round_idx, attackers, n, tolerated, d.name,
+    )  # fmt: skip
+    return {"attackers_over_f": True, "attackers": attackers}
+
+
 class SecuredAlgorithm(Algorithm):
     """The hooks :func:`secured` adds in front of a method (it is mixed in before the method's class)."""
 
@@ -219,10 +255,13 @@ class SecuredAlgorithm(Algorithm):
         """The method's aggregation, with the mean replaced where the plan touches uploads: poisoned
         updates, then a defence or central DP, then the method's :meth:`server_step` on the result."""
         plan = self.security
-        if plan.privacy.mechanism == "local":  # self-reported sample counts are not trusted: uniform
+        # self-reported sample counts are not trusted under local DP nor by a robust rule (one node's
+        # claimed count would otherwise decide the geometric median, or the mean after Krum): uniform
+        if plan.privacy.mechanism == "local" or DEFENCES.get(plan.defence.name).apply is not None:
             uploads = [dataclasses.replace(u, num_samples=1) for u in uploads]
         if not plan.touches_uploads or not uploads:
             return super().aggregate(server, uploads, info)
+        metrics = check_cohort(plan, uploads, info.round)  # may skip or fail the round (defence.too_few)
         broadcast = self.broadcast(server, RoundInfo(info.round, None, info.seed))
         layout = Layout.of(uploads[0], broadcast)
         deltas = self._poison(layout.deltas(uploads), uploads, info)
@@ -230,7 +269,6 @@ class SecuredAlgorithm(Algorithm):
             layout.with_delta(u, row) if plan.is_malicious(u.cid) else u
             for u, row in zip(uploads, deltas, strict=True)
         ]
-        metrics: dict[str, float] = {}
         if plan.privacy.mechanism == "central":
             uploads = [dataclasses.replace(u, num_samples=1) for u in uploads]
             value, clip = self._central_dp(server, deltas, uploads, info, metrics)
