@@ -1,19 +1,16 @@
 """``flower-deployment`` is secure by default (issue 51, item 3): the local SuperLink serves over TLS with a
 certificate made for the run and accepts only SuperNodes whose keys it registered; ``engine.insecure: true``
 is the one way back to Flower's ``--insecure``. A real deployment of one node: the processes' command lines
-say how they were started, and a run through ``fedskew run`` on the default deployment trains."""
+say how they were started. (Runs through ``fedskew run`` on the default, secure deployment are the other
+deployment tests: tests/test_threads.py, tests/test_plugins.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 pytest.importorskip("flwr")
 
-from fedskew.experiment.config import build_config
-from fedskew.flower.deploy import LocalDeployment, run_deployment
-from tests.conftest import digits_config
+from fedskew.flower.deploy import LocalDeployment
 
 pytestmark = [pytest.mark.slow]
 
@@ -35,11 +32,3 @@ def test_insecure_is_an_explicit_choice():
     with LocalDeployment(1, insecure=True) as dep:
         assert "--insecure" in dep.procs["superlink"].args and "--insecure" in dep.procs["supernode-0"].args
         assert "--enable-supernode-auth" not in dep.procs["superlink"].args
-
-
-def test_a_run_on_the_default_deployment_trains_and_records_no_security_switch(tmp_path):
-    cfg = digits_config(rounds=1, engine={"runtime": "flower-deployment", "nodes": 2, "mode": "sequential"})
-    summary = run_deployment(build_config(cfg), tmp_path / "run", resume=False, force=False)
-    assert summary["final"]["accuracy"] > 0.1
-    recorded = json.loads(json.dumps(summary))
-    assert recorded["status"] == "finished"
