@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -161,6 +162,26 @@ def data_root_is_only_read(request: pytest.FixtureRequest) -> None:
             pytest.fail(f"tests wrote under the data root {root}: {', '.join(changed[:10])}", pytrace=False)
 
     request.addfinalizer(check)
+
+
+class StopRun(Exception):
+    """Raised by :func:`stop_after` to interrupt a run after a given round (its checkpoint is kept)."""
+
+
+def stop_after(round_: int):  # type: ignore[no-untyped-def]
+    """A runner ``on_round`` callback that stops the run once round ``round_`` is committed."""
+
+    def on_round(sim, record) -> None:  # type: ignore[no-untyped-def]
+        if sim.round == round_:
+            raise StopRun
+
+    return on_round
+
+
+def run_metrics(out: Path) -> list[dict]:
+    """A run folder's ``metrics.jsonl`` records without their wall-clock ``seconds*`` keys."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in rows]
 
 
 def cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:

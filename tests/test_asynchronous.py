@@ -5,7 +5,6 @@ the refusals (one line, exit 2), a non-finite client and a federation nobody is 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from fedskew.errors import ConfigError
 from fedskew.experiment.build import build_simulation
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import run_experiment
-from tests.conftest import cli, digits_config
+from tests.conftest import StopRun, cli, digits_config, run_metrics, stop_after
 
 IID = {"name": "iid"}  # 5 clients of 287-288 samples: 9 local steps each, so equal speeds mean equal times
 SKEWED = {"name": "dirichlet", "alpha": 0.5}
@@ -55,23 +54,6 @@ def tensors(state: Any) -> list[torch.Tensor]:
     if isinstance(state, dict):
         return [t for k in sorted(state) for t in tensors(state[k])]
     return []
-
-
-def metrics(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")} for line in lines]
-
-
-class Stop(Exception):
-    pass
-
-
-def stop_after(update: int):  # type: ignore[no-untyped-def]
-    def on_round(sim, record) -> None:  # type: ignore[no-untyped-def]
-        if sim.round == update:
-            raise Stop
-
-    return on_round
 
 
 # ---------------------------------------------------------------------------- FedBuff = sync FedAvg
@@ -177,13 +159,13 @@ def test_staleness_occurs_is_logged_and_runs_replay_and_resume_exactly(tmp_path,
     cfg = build_config(stale_config(aggregation))
     run_experiment(cfg, tmp_path / "whole")
     run_experiment(cfg, tmp_path / "again")
-    with pytest.raises(Stop):
+    with pytest.raises(StopRun):
         run_experiment(cfg, tmp_path / "cut", on_round=stop_after(2))
-    assert len(metrics(tmp_path / "cut")) == 2
+    assert len(run_metrics(tmp_path / "cut")) == 2
     run_experiment(cfg, tmp_path / "cut", resume=True)
-    whole = metrics(tmp_path / "whole")
-    assert metrics(tmp_path / "again") == whole  # deterministic per seed
-    assert metrics(tmp_path / "cut") == whole  # exact resume, clients in flight included
+    whole = run_metrics(tmp_path / "whole")
+    assert run_metrics(tmp_path / "again") == whole  # deterministic per seed
+    assert run_metrics(tmp_path / "cut") == whole  # exact resume, clients in flight included
     assert whole[1]["in_flight"] > 0  # the checkpoint after update 2 held clients in flight
     assert max(r["staleness_max"] for r in whole) > 0  # concurrency > K with unequal speeds: stale uploads
     times = [r["virtual_time"] for r in whole]

@@ -4,7 +4,6 @@ resume, and the one-line refusals of bad input."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import build_data, build_simulation
 from fedskew.testing import checked
+from tests.conftest import StopRun, run_metrics, stop_after
 from tests.test_contract import NAMES, tiny_config
 from tests.test_contract_rules import empty_client_config
 
@@ -292,23 +292,6 @@ def test_a_deadline_without_partial_work_drops_and_with_it_trains_fewer_steps():
         assert 0 < cut_short["round_steps"] < whole["round_steps"]
 
 
-class Stop(Exception):
-    pass
-
-
-def stop_after(round_: int):  # type: ignore[no-untyped-def]
-    def on_round(sim, record) -> None:  # type: ignore[no-untyped-def]
-        if sim.round == round_:
-            raise Stop
-
-    return on_round
-
-
-def metrics(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")} for line in lines]
-
-
 def test_an_interrupted_run_on_the_clock_resumes_exactly(tmp_path):
     from fedskew.experiment.runner import run_experiment
 
@@ -318,11 +301,11 @@ def test_an_interrupted_run_on_the_clock_resumes_exactly(tmp_path):
         "available": 0.7, "dropout": 0.2, "deadline": 1.5,
     }  # fmt: skip
     run_experiment(build_config(cfg), tmp_path / "whole")
-    with pytest.raises(Stop):
+    with pytest.raises(StopRun):
         run_experiment(build_config(cfg), tmp_path / "cut", on_round=stop_after(2))
     run_experiment(build_config(cfg), tmp_path / "cut", resume=True)
-    whole = metrics(tmp_path / "whole")
-    assert metrics(tmp_path / "cut") == whole and whole[-1]["virtual_time"] > 0
+    whole = run_metrics(tmp_path / "whole")
+    assert run_metrics(tmp_path / "cut") == whole and whole[-1]["virtual_time"] > 0
     assert any(r["late"] or r["dropped_out"] for r in whole)  # the policies really acted
 
 

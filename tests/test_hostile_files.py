@@ -35,7 +35,7 @@ from fedskew.experiment.runner import (
 )
 from fedskew.flower.server import serve
 from fedskew.flower.versions import DiskVersions, versions_of
-from tests.conftest import digits_config
+from tests.conftest import StopRun, digits_config, stop_after
 from tests.flower_loopback import LoopbackGrid
 from tests.test_contract import tiny_config
 
@@ -59,22 +59,10 @@ def _scaffold(rounds: int = 3) -> dict[str, Any]:
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-round run (of 3 configured rounds: resume has one to do) with spilled client states."""
     out = tmp_path_factory.mktemp("pristine") / "run"
-    with pytest.raises(_Stop):
-        run_experiment(build_config(_scaffold()), out, on_round=_stop_after(2))
+    with pytest.raises(StopRun):
+        run_experiment(build_config(_scaffold()), out, on_round=stop_after(2))
     assert torch.load(out / CHECKPOINT_FILE, weights_only=True)["clients"]["spilled"]  # files on disk
     return out
-
-
-class _Stop(Exception):
-    pass
-
-
-def _stop_after(round_: int) -> Callable[..., None]:
-    def on_round(sim: Any, record: Any) -> None:
-        if sim.round == round_:
-            raise _Stop
-
-    return on_round
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import errno
 import gc
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from fedskew.engine.states import STATES_DIR, SpillingStates, state_nbytes
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.runner import CHECKPOINT_FILE, CHECKPOINT_PREV, run_experiment
-from tests.conftest import digits_config
+from tests.conftest import StopRun, digits_config, run_metrics, stop_after
 
 MB = 2**20
 
@@ -138,17 +136,12 @@ def _scaffold(budget_mb: float, rounds: int = 4) -> dict:
     )
 
 
-def _metrics(out: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in rows]
-
-
 @pytest.fixture(scope="module")
 def in_memory(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("memory") / "run"
     run_experiment(build_config(_scaffold(budget_mb=1024)), out)
     assert not list((out / STATES_DIR).glob("*.pt"))  # nothing spilled
-    return _metrics(out)
+    return run_metrics(out)
 
 
 TINY = 0.05  # MB: a few of the clients' control variates (~0.1 MB each) in memory, the others on disk
@@ -158,27 +151,15 @@ def test_a_run_that_spills_gives_the_in_memory_numbers(tmp_path, in_memory):
     out = tmp_path / "run"
     run_experiment(build_config(_scaffold(TINY)), out)
     assert list((out / STATES_DIR).glob("*.pt"))  # states really went to disk, in the output folder
-    assert _metrics(out) == in_memory
-
-
-class _Stop(Exception):
-    pass
-
-
-def _stop_after(round_: int):  # type: ignore[no-untyped-def]
-    def on_round(sim, record) -> None:  # type: ignore[no-untyped-def]
-        if sim.round == round_:
-            raise _Stop
-
-    return on_round
+    assert run_metrics(out) == in_memory
 
 
 def test_resume_with_spilled_states_is_exact(tmp_path, in_memory):
     out = tmp_path / "run"
-    with pytest.raises(_Stop):
-        run_experiment(build_config(_scaffold(TINY)), out, on_round=_stop_after(2))
+    with pytest.raises(StopRun):
+        run_experiment(build_config(_scaffold(TINY)), out, on_round=stop_after(2))
     run_experiment(build_config(_scaffold(TINY)), out, resume=True)
-    assert _metrics(out) == in_memory
+    assert run_metrics(out) == in_memory
 
 
 def test_the_previous_checkpoint_still_finds_its_spilled_states(tmp_path, in_memory):
@@ -191,4 +172,4 @@ def test_the_previous_checkpoint_still_finds_its_spilled_states(tmp_path, in_mem
     assert {p.name for p in (out / STATES_DIR).glob("*.pt")} == named  # superseded files were deleted
     (out / CHECKPOINT_FILE).unlink()  # a kill between the renames of the last checkpoint write
     run_experiment(build_config(_scaffold(TINY)), out, resume=True)  # from round 3: round 4 again
-    assert _metrics(out) == in_memory
+    assert run_metrics(out) == in_memory

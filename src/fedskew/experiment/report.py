@@ -11,6 +11,7 @@ among those of that model); keys that change how a run is executed or watched, n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,19 +381,31 @@ class Paired:
         return None if np.isnan(lo) else bool(lo > 0 or hi < 0)
 
 
-def paired_differences(
-    groups: list[Group], baseline: Group, key: str = "accuracy", last: int = 0
+def pair_by_seed(
+    groups: list[Group], baseline: Group, values: Callable[[Group], Mapping[int, float | None]]
 ) -> list[Paired]:
-    """Every other group against ``baseline``, paired by seed."""
-    base = values_by_seed(baseline, key, last)
+    """Every other group against ``baseline``, paired by seed on ``values(group)`` (``{seed: value}``); a
+    seed that either group lacks, or has no value for (``None``), is unpaired."""
+    base = values(baseline)
     out = []
     for g in groups:
         if g is baseline:
             continue
-        vals = values_by_seed(g, key, last)
-        seeds = sorted(vals.keys() & base.keys())
-        out.append(Paired(g, {s: vals[s] - base[s] for s in seeds}, len(vals.keys() ^ base.keys())))
+        vals = values(g)
+        diffs: dict[int, float] = {}
+        for seed in sorted(vals.keys() & base.keys()):
+            value, reference = vals[seed], base[seed]
+            if value is not None and reference is not None:
+                diffs[seed] = value - reference
+        out.append(Paired(g, diffs, len(vals.keys() | base.keys()) - len(diffs)))
     return out
+
+
+def paired_differences(
+    groups: list[Group], baseline: Group, key: str = "accuracy", last: int = 0
+) -> list[Paired]:
+    """Every other group against ``baseline``, paired by seed."""
+    return pair_by_seed(groups, baseline, lambda g: values_by_seed(g, key, last))
 
 
 def paired_table(groups: list[Group], baseline: Group, key: str = "accuracy", last: int = 0) -> str:

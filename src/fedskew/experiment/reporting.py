@@ -15,6 +15,7 @@ from fedskew.experiment.report import (
     Paired,
     find_runs,
     group_runs,
+    pair_by_seed,
     paired_differences,
     paired_table,
     plot_accuracy,
@@ -104,19 +105,7 @@ def paired_at_time(
     """Every other group against ``baseline`` at one virtual-time budget (each run's last evaluation by
     then: :func:`~fedskew.experiment.report_time.accuracy_at_time`), paired by seed; a seed either run of
     which had not been evaluated by ``budget`` counts as unpaired."""
-    base = accuracy_at_time(baseline, budget, key)
-    out = []
-    for g in groups:
-        if g is baseline:
-            continue
-        vals = accuracy_at_time(g, budget, key)
-        diffs: dict[int, float] = {}
-        for seed in sorted(vals.keys() & base.keys()):
-            value, reference = vals[seed], base[seed]
-            if value is not None and reference is not None:
-                diffs[seed] = value - reference
-        out.append(Paired(g, diffs, len(vals.keys() | base.keys()) - len(diffs)))
-    return out
+    return pair_by_seed(groups, baseline, lambda g: accuracy_at_time(g, budget, key))
 
 
 def write_sidecar(path: Path, table: Table) -> Path:
