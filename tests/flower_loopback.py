@@ -1,8 +1,8 @@
 """A Flower ``Grid`` that delivers each message to fedskew's ``ClientApp`` in this process, one ``Context``
 per node, with every message's content round-tripped through Flower's wire format (protobuf + ``.npy``
 arrays): the apps' code exactly as on a deployment, without processes, so every algorithm can be checked in
-seconds. ``silent`` nodes never reply (a crashed node); ``faults`` rewrite a node's reply; ``raising``
-nodes fail in training (Flower replies with an error)."""
+seconds. ``silent`` nodes never reply (a crashed node); ``faults`` rewrite a node's reply (``None``: the
+node dies with the message); ``raising`` nodes fail in training (Flower replies with an error)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ class LoopbackGrid(Grid):
                 reply = Message(Error(code=2, reason=str(err)), reply_to=received)
             if index in self.faults:
                 reply = self.faults[index](reply)
+                if reply is None:  # the node died after receiving the message: no reply comes
+                    continue
             self.replies[mid] = reply
         return ids
 

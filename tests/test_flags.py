@@ -15,7 +15,7 @@ from tests.conftest import digits_config
 FLAGS = {
     "personalized_eval", "requires_personalized_eval", "heterogeneous_models", "mean_aggregation",
     "vision_language", "vectorizable", "loss_reads", "working_buffers", "reads_client_scalars",
-    "discloses_client_statistics", "partial_work",
+    "discloses_client_statistics", "partial_work", "federation_counts",
 }  # fmt: skip
 
 
@@ -23,7 +23,7 @@ def test_the_flags_are_these_and_fedavg_declares_none() -> None:
     declared = {
         k
         for k, v in vars(Algorithm).items()
-        if k not in ("name", "Params") and isinstance(v, (bool, frozenset))
+        if k not in ("name", "Params") and not k.startswith("_") and isinstance(v, (bool, frozenset, str))
     }
     assert declared == FLAGS
     assert not FLAGS & set(vars(ALGORITHMS.get("fedavg")))
@@ -179,3 +179,20 @@ def test_partial_work_decides_whether_a_deadline_may_cut_local_steps() -> None:
     assert sorted(declared) == ["fednova", "fedprox"]
     cfg = digits_config(algorithm={"name": "fedprox"}, engine={"mode": "sequential"}, rounds=1)
     build_simulation(build_config({**cfg, "clock": clock})).close()  # declared: allowed
+
+
+def test_federation_counts_decides_what_a_nodes_context_holds_of_other_clients() -> None:
+    """A Flower node's context holds its own clients' counts, plus what the method declares (the full
+    property, every method bit-identical from its view: tests/test_need_to_know.py)."""
+    from fedskew.flower.node import build_node
+    from tests.test_contract import tiny_config
+
+    cases = (("fedavg", False, False), ("fedent", True, False), ("fedgen", True, True))
+    for name, sizes, histograms in cases:
+        raw = tiny_config(name, rounds=1)
+        raw["engine"]["nodes"] = 3
+        node = build_node(build_config(raw), 0)
+        ctx, others = node.rt.algorithm.ctx, [c for c in range(6) if c not in node.owned]
+        assert bool(ctx.client_sizes[node.owned].all()) and bool(ctx.class_counts[node.owned].any())
+        assert bool(ctx.client_sizes[others].any()) == sizes, name
+        assert bool(ctx.class_counts[others].any()) == histograms, name

@@ -119,11 +119,16 @@ def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_
     try:
         digits = load_config(ROOT / "configs/fedavg/digits-flower.yaml", ["rounds=2"])
         fedproto = _job(flower_config("fedproto", rounds=1), tmp_path / "fedproto")
-        summaries = dep.run([Job(digits, tmp_path / "digits"), fedproto])
+        secure_raw = flower_config("fedavg", rounds=2)
+        secure = _job({**secure_raw, "engine": {**secure_raw["engine"], "secagg": {}}}, tmp_path / "secure")
+        summaries = dep.run([Job(digits, tmp_path / "digits"), fedproto, secure])
         refused = dep.tail("intruder", 400)
         assert intruder.poll() != 0  # still retrying (None) or given up (exit 1 or Flower's 305)
         assert "SuperNode ID" not in refused and "Connection attempt failed" in refused
-        assert all("SuperNode ID" in dep.tail(f"supernode-{i}", 400) for i in range(3))
+        # each node authenticated as the node id its key was registered under, and the run bound its index
+        # to that id (run config ``node-ids``: fedskew.flower.identity)
+        assert sorted(dep.node_ids) == [0, 1, 2]
+        assert all(f"SuperNode ID: {dep.node_ids[i]}" in dep.tail(f"supernode-{i}", 400) for i in range(3))
     finally:
         dep.kill("intruder", signal.SIGKILL)
     raw = digits.to_dict()
@@ -135,6 +140,12 @@ def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_
     assert_same_metrics(records(tmp_path / "digits"), records(tmp_path / "digits-embedded"))
     fedproto_reference = embedded(flower_config("fedproto", 1), tmp_path / "e")
     assert_same_metrics(records(tmp_path / "fedproto"), fedproto_reference)
+    # SecAgg+ between the three authenticated nodes: the plain metrics within its quantization
+    # (tests/test_secagg.py)
+    plain = embedded(secure_raw, tmp_path / "s")
+    for got_round, want in zip(records(tmp_path / "secure"), plain, strict=True):
+        assert got_round["loss"] == pytest.approx(want["loss"], abs=1e-4)
+        assert got_round["accuracy"] == pytest.approx(want["accuracy"], abs=2 / 180 + 1e-9)
 
 
 def test_silos_each_serving_its_own_folder_give_the_embedded_metrics_and_a_mismatched_node_fails_naming_it(

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -148,6 +148,52 @@ def host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class SecAggSection(Strict):
+    """``engine.secagg``: Flower's SecAgg+ (Bell et al. 2020) on the Flower runtimes, with the parameters of
+    ``flwr.server.workflow.SecAggPlusWorkflow`` (docs/deployment.md, :mod:`fedskew.flower.secure`)."""
+
+    shares: int | float = Field(
+        1.0,
+        gt=0,
+        description="shares each node's secrets are split into: an integer >= 3, or a share (0, 1] of the "
+        "round's nodes (1.0: every node holds a share of every other's, Flower's SecAgg)",
+    )
+    threshold: int | float = Field(
+        0.67,
+        gt=0,
+        description="shares that rebuild a secret: an integer >= 2 below shares, or a share (0, 1] of "
+        "shares (at least 2); shares - threshold nodes may drop out of a round, fewer than threshold "
+        "colluding with the server learn nothing",
+    )
+    clipping_range: float = Field(
+        8.0,
+        gt=0,
+        description="each node's update (weighted mean of its clients' uploads minus what they were sent) is "
+        "quantized on [-c, c]; a node whose update leaves it fails the round's training",
+    )
+    quantization_range: int = Field(
+        2**22, ge=2, lt=2**32, description="quantization levels over [-c, c] (Flower's default 2^22)"
+    )
+
+    @field_validator("shares", "threshold")
+    @classmethod
+    def _share_count(cls, v: int | float, info: ValidationInfo) -> int | float:
+        """Flower's ``SecAggPlusWorkflow`` rules: an integer count (shares >= 3, threshold >= 2) or a share
+        in (0, 1]."""
+        low = 3 if info.field_name == "shares" else 2
+        if isinstance(v, int) and v != 1 and v < low:
+            raise ValueError(f"allowed: an integer >= {low} or a share in (0, 1]")
+        if isinstance(v, float) and not 0 < v <= 1:
+            raise ValueError(f"allowed: an integer >= {low} or a share in (0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _threshold_below_shares(self) -> SecAggSection:
+        if isinstance(self.shares, int) and isinstance(self.threshold, int) and self.threshold >= self.shares:
+            raise ValueError(f"threshold={self.threshold} must be below shares={self.shares}")
+        return self
+
+
 class EngineSection(Strict):
     mode: str = Field(
         "auto",
@@ -219,6 +265,11 @@ class EngineSection(Strict):
         False,
         description="flower-deployment: run the local SuperLink and SuperNodes with Flower's --insecure and "
         "no node authentication (default: TLS and a key per node, made for the run); runtime-only",
+    )
+    secagg: SecAggSection | None = Field(
+        None,
+        description="Flower runtimes: secure aggregation with Flower's SecAgg+ (the ServerApp sees only the "
+        "sum of the nodes' masked updates) for methods whose aggregation is a weighted mean; unset: off",
     )
     round_timeout: float = Field(
         600.0,

@@ -259,6 +259,9 @@ class Algorithm:
     #: a client's update stays meaningful when it trains fewer steps than planned (FedProx's γ-inexact
     #: solutions, FedNova's heterogeneous τ_i): the virtual clock's ``late: partial`` is allowed
     partial_work: ClassVar[bool] = False
+    #: what the CLIENT-side hooks read of the context's counts (a Flower node gets only this): ``own`` its
+    #: node's clients' rows, ``sizes`` also every client's size (FedEnt), ``classes`` every histogram (FedGen)
+    federation_counts: ClassVar[str] = "own"
 
     def __init__(self, params: HyperParams, ctx: Context) -> None:
         self.p = params

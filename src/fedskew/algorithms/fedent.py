@@ -160,6 +160,7 @@ class FedEnt(Algorithm):
     """FedEnt (Zheng et al. 2024): per-client, per-round learning rate from the entropy mean-field control."""
 
     mean_aggregation = False  # population weights and a server step on reported scalars
+    federation_counts = "sizes"  # a client solves Eq. (17) with its θ_i = n_i / n: every size, no histogram
 
     # plain cross-entropy at a per-client rate: the vectorized engine steps each client with its own η
 
@@ -406,6 +407,7 @@ class FedNorm(FedEnt):
     # not a FedEnt.Params (both extend RateParams): the inherited hooks read FedEnt's own fields only on
     # paths FedNorm overrides (estimators, raw_eta) or never takes (start_local's fallback: closed form only)
     p: Params  # type: ignore[assignment]
+    federation_counts = "own"  # θ_i enters only the server's weights: a client's closed form never reads it
     upload_config: ClassVar[tuple[str, ...]] = ("eta",)
     upload_metrics: ClassVar[tuple[str, ...]] = ("eta_raw", "branch", "a", "G", "clip")
 

@@ -150,6 +150,9 @@ class FedGen(Algorithm):
 
     mean_aggregation = False  # the mean plus a generator trained on the server
     vectorizable = False
+    #: clients draw ŷ from the federation's label distribution (Eq. 6's R̂, :meth:`_label_prior`): the class
+    #: totals, which the context holds only as every client's histogram (docs/decisions.md, issue 51 item 6)
+    federation_counts = "classes"
 
     class Params(HyperParams):
         alpha: float = Field(

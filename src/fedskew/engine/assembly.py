@@ -35,6 +35,14 @@ class ClientMeta:
     in_shape: tuple[int, ...]
     class_counts: Tensor  # [N, C] training samples per client and class (CPU)
     assets: Mapping[str, Any] = field(default_factory=dict)
+    #: [N] training samples per client where they are not ``class_counts``' row sums (a node's view that
+    #: discloses every client's size but not its histogram: :mod:`fedskew.engine.need_to_know`)
+    sizes: Tensor | None = None
+
+    @property
+    def client_sizes(self) -> Tensor:
+        """[N] training samples per client (the explicit ``sizes``, else the histograms' row sums)."""
+        return self.class_counts.sum(1) if self.sizes is None else self.sizes
 
     @classmethod
     def of(cls, data: FederatedData) -> ClientMeta:
@@ -90,7 +98,7 @@ def construct_algorithm(
         in_shape=meta.in_shape,
         device=spec.device,
         client=client,
-        client_sizes=meta.class_counts.sum(1),
+        client_sizes=meta.client_sizes,
         class_counts=meta.class_counts,
         rounds=rounds,
         seed=seed,

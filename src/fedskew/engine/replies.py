@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedskew.algorithms.base import Algorithm, Payload, RoundInfo, Upload
@@ -175,11 +175,13 @@ def check_reply(
     job: Mapping[str, Any] | None,
     load: Callable[[int], Payload],
     broadcasts: Mapping[int, Payload],
+    arrays: bool = True,
 ) -> Checked:
     """Check a node's reply to the request to train ``requested`` in round ``info.round``: ``job`` its job
     record (``None``: it has none), ``load(cid)`` reads client ``cid``'s upload, ``broadcasts`` what each
     client was sent. Every requested client the reply does not accept is neither accepted nor refused here
-    (its node rejected it under its own ``engine.on_client_error``)."""
+    (its node rejected it under its own ``engine.on_client_error``). ``arrays=False``: the uploads carry no
+    arrays (a secure round: they are in the masked sum), only their config and metrics are checked."""
     out = Checked()
     problem = reply_problem(requested, job)
     if problem is not None or job is None:
@@ -194,6 +196,7 @@ def check_reply(
             out.refused[cid] = payload
             continue
         layout = expected_layout(algorithm, broadcasts[cid], RoundInfo(info.round, cid, info.seed))
+        layout = layout if arrays else replace(layout, arrays={})
         problem = layout_problem(layout, payload)
         if problem is not None:
             out.refused[cid] = problem

@@ -115,6 +115,8 @@ class Config(Strict):
         out = self.model_dump(mode="json")
         if out["clock"] is None:  # a run without the clock records what it always recorded
             del out["clock"]
+        if out["engine"]["secagg"] is None:  # likewise without secure aggregation
+            del out["engine"]["secagg"]
         return out
 
 

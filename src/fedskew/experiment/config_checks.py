@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
 from fedskew.errors import ConfigError, did_you_mean
 from fedskew.experiment.clock_checks import check_clock
+from fedskew.experiment.secagg_checks import check_secagg
 from fedskew.registry import check_options
 from fedskew.runtimes import RUNTIMES
 
@@ -78,6 +79,7 @@ def validate_semantics(cfg: Config) -> None:
     mean_methods = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation]
     _check_security(cfg, alg, mean_methods)
     check_clock(cfg, alg, mean_methods)
+    check_secagg(cfg, alg, mean_methods)
     if cfg.data.source == "nodes":
         check_node_source(cfg)
 

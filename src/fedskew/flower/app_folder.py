@@ -71,11 +71,13 @@ def pyproject(cfg: Config, name: str, results: str) -> str:
         "",
         "# the run config: `config` is the experiment's resolved fedskew config (YAML text, or the path of a",
         "# YAML file on the SuperLink host); `out` is the folder the ServerApp writes the results to, on the",
-        "# SuperLink host; `resume=true` continues from out/checkpoint.pt; `force=true` overwrites out",
+        "# SuperLink host; `resume=true` continues from out/checkpoint.pt; `force=true` overwrites out;",
+        "# `node-ids` binds node index i to the Flower node id its registered key got ('0:ID0,1:ID1,...')",
         "[tool.flwr.app.config]",
         f"out = {toml_string(results)}",
         "resume = false",
         "force = false",
+        'node-ids = ""',
         f"config = {toml_string(text)}",
     ]
     return "\n".join(lines) + "\n"
@@ -100,6 +102,10 @@ in `pyproject.toml`. This folder holds no code.
    flwr run . CONNECTION
    flwr ls CONNECTION
    ```
+
+   With SuperNode authentication (recommended: docs/deployment.md), bind each node index to the node id
+   `flwr supernode register` printed for that node's key, so that no other node can serve its clients:
+   `flwr run . CONNECTION --run-config "node-ids='0:ID0,1:ID1,...'"`.
 
    The ServerApp writes `config.yaml`, `metrics.jsonl`, `summary.json` and its checkpoint to `{results}`
    on the SuperLink host (a relative path is relative to the ServerApp's working directory there).

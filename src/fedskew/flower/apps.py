@@ -3,7 +3,8 @@
 ``flwr run`` finds them through the app's ``pyproject.toml`` (``fedskew.flower.apps:client_app`` and
 ``fedskew.flower.apps:server_app``, see :mod:`fedskew.flower.launch`). The ``ServerApp`` reads its run
 config: ``config`` (the path of a resolved fedskew YAML config, several separated by ``;``, or the YAML text
-of one: :func:`run_config_jobs`), ``out`` (output folder), ``resume`` and ``force`` (booleans). The
+of one: :func:`run_config_jobs`), ``out`` (output folder), ``resume`` and ``force`` (booleans) and
+``node-ids`` (the node indexes' authenticated Flower node ids: :mod:`fedskew.flower.identity`). The
 simulation runtime builds its own ``ServerApp`` around an in-memory config with :func:`make_server_app`.
 
 Importing this module imports flwr's app types only: Flower's deployment runtime starts a fresh
@@ -13,7 +14,8 @@ handlers' own imports (torch, the engine) come with the first message that needs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +28,25 @@ from fedskew.errors import FedskewError
 if TYPE_CHECKING:
     from fedskew.experiment.config import Config
 
-client_app = ClientApp()
+
+def _secure_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's ``secaggplus_mod`` around the messages of a secure round (``engine.secagg``), nothing around
+    the others (:func:`fedskew.flower.secure.secure_mod`)."""
+    from fedskew.flower.secure import secure_mod
+
+    return secure_mod(msg, context, call_next)
+
+
+client_app = ClientApp(mods=[_secure_mod])
 
 
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
     from fedskew.flower.node import handle_train
+    from fedskew.flower.secure import handle_secure_train, is_secure
 
-    return Message(handle_train(msg.content, context), reply_to=msg)
+    handle = handle_secure_train if is_secure(msg.content) else handle_train
+    return Message(handle(msg.content, context), reply_to=msg)
 
 
 @client_app.evaluate()
@@ -58,6 +71,9 @@ class Job:
     out: str | Path | None = None
     resume: bool = False
     force: bool = False
+    #: node index -> the Flower node id authenticated for it (:mod:`fedskew.flower.identity`; empty: first
+    #: claim)
+    node_ids: Mapping[int, int] = field(default_factory=dict)
 
 
 def make_server_app(jobs: list[Job], results: list[dict[str, Any]]) -> ServerApp:
@@ -80,7 +96,7 @@ def make_server_app(jobs: list[Job], results: list[dict[str, Any]]) -> ServerApp
 def _serve(grid: Grid, job: Job) -> dict[str, Any]:
     from fedskew.flower.server import serve
 
-    return serve(grid, job.cfg, job.out, job.resume, job.force)
+    return serve(grid, job.cfg, job.out, job.resume, job.force, job.node_ids)
 
 
 server_app = ServerApp()
@@ -89,7 +105,7 @@ server_app = ServerApp()
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
     """``flwr run``'s entry. Run config: ``config`` names the experiments, ``out`` their output folders (on
-    the SuperLink host), ``resume`` and ``force`` apply to each (see :func:`run_config_jobs`)."""
+    the SuperLink host), ``resume``, ``force`` and ``node-ids`` apply to each (:func:`run_config_jobs`)."""
     for job in run_config_jobs(context.run_config):
         _serve(grid, job)
 
@@ -100,17 +116,22 @@ def run_config_jobs(rc: dict[str, Any]) -> list[Job]:
     ``config`` is either the YAML text of one resolved config (a value holding a line break: what
     ``fedskew flower-app`` writes, so that no file is needed on the SuperLink host) with ``out`` its output
     folder, or the paths of YAML config files on the SuperLink host separated by ``;`` with as many
-    ``out`` folders, separated the same way."""
+    ``out`` folders, separated the same way. ``node-ids`` (``"index:node_id,..."``, optional) binds each node
+    index to the Flower node id its registered key authenticates
+    (:func:`~fedskew.flower.identity.parse_node_ids`)."""
+    from fedskew.flower.identity import NODE_IDS_KEY, parse_node_ids
+
     config, out = str(rc["config"]), str(rc["out"])
     resume, force = bool(rc.get("resume", False)), bool(rc.get("force", False))
+    bound = parse_node_ids(str(rc.get(NODE_IDS_KEY, "")))
     if "\n" in config:
-        return [Job(config_from_text(config), out, resume, force)]
+        return [Job(config_from_text(config), out, resume, force, bound)]
     configs, outs = config.split(";"), out.split(";")
     if len(configs) != len(outs):
         raise FedskewError(f"run config: {len(configs)} configs but {len(outs)} output folders")
     from fedskew.experiment.config import load_config
 
-    return [Job(load_config(path), o, resume, force) for path, o in zip(configs, outs, strict=True)]
+    return [Job(load_config(path), o, resume, force, bound) for path, o in zip(configs, outs, strict=True)]
 
 
 def config_from_text(text: str) -> Config:

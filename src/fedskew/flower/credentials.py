@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,15 +94,27 @@ def node_keys(folder: Path, nodes: int) -> tuple[dict[int, Path], list[Path]]:
     return keys, [key.with_name(f"{key.name}.pub") for key in keys.values()]
 
 
-def register_keys(public: list[Path], command: list[str], env: dict[str, str], timeout: float = 120) -> None:
+def register_keys(
+    public: list[Path], command: list[str], env: dict[str, str], timeout: float = 120
+) -> list[int]:
     """Register the nodes' ``public`` keys with the SuperLink (``command``: ``flwr supernode register``), all
-    at once: each ``flwr`` call spends seconds starting up, which in turn would add up per node."""
+    at once (each ``flwr`` call spends seconds starting up, which would add up per node); the Flower node id
+    the SuperLink assigned to each key, in order (SuperNode authentication ties the id to the key:
+    :mod:`fedskew.flower.identity`)."""
     out = subprocess.PIPE
     calls = [
-        subprocess.Popen([*command, str(key), "local"], env=env, stdout=out, stderr=out, text=True)
+        subprocess.Popen(
+            [*command, str(key), "local", "--format", "json"], env=env, stdout=out, stderr=out, text=True
+        )
         for key in public
     ]
+    ids = []
     for call in calls:
         said, err = call.communicate(timeout=timeout)
         if call.returncode != 0:
             raise FedskewError(f"flwr supernode register failed: {(said + err).strip()[-600:]}")
+        try:
+            ids.append(int(json.loads(said[said.index("{") :])["node-id"]))
+        except (ValueError, KeyError) as why:
+            raise FedskewError(f"flwr supernode register: no node id in its answer ({why})") from None
+    return ids

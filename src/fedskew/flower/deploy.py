@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fedskew.errors import FedskewError
 from fedskew.experiment.config import Config, dump_config
 from fedskew.flower.credentials import Tls, node_keys, register_keys, write_tls
+from fedskew.flower.identity import NODE_IDS_KEY, format_node_ids
 from fedskew.flower.logs import FLOWER_LOG, append_process_logs
 from fedskew.flower.node import THREADS_KEY
 from fedskew.flower.silos import DATA_ROOT_KEY
@@ -99,7 +100,8 @@ class LocalDeployment:
     ``node_keys`` the deployment makes both for itself (:mod:`fedskew.flower.credentials`); ``insecure=True``
     runs Flower's ``--insecure`` without node authentication. ``tls``: serve over TLS with these files.
     ``node_keys``: the private key (OpenSSH, NIST curve) each node index authenticates with; with any, the
-    SuperLink runs with ``--enable-supernode-auth`` and registers the public keys in ``registered``.
+    SuperLink runs with ``--enable-supernode-auth`` and registers the public keys in ``registered``
+    (``registered[i]``: node ``i``'s), and every run binds node ``i`` to the id its key got (``node_ids``).
     ``state_root``: where node ``i`` keeps its clients' states (``state_root/i``; default: the temporary
     folder). ``warm``: ClientApp processes are forked from one process that has imported Flower,
     torch and fedskew already (:mod:`fedskew.flower.warm`). ``log_file``: the processes' output goes there."""
@@ -108,6 +110,7 @@ class LocalDeployment:
     tls: Tls | None = None
     node_keys: dict[int, Path] = field(default_factory=dict)
     registered: list[Path] = field(default_factory=list)
+    node_ids: dict[int, int] = field(default_factory=dict)  # node index -> its key's Flower node id
     node_config: dict[int, dict[str, str]] = field(default_factory=dict)
     home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fedskew-flower-")))
     state_root: Path | None = None
@@ -215,7 +218,8 @@ class LocalDeployment:
         if self.warm:
             self.start_warm()
         self.wait_port()
-        register_keys(self.registered, [_bin("flwr"), "supernode", "register"], self.env())
+        ids = register_keys(self.registered, [_bin("flwr"), "supernode", "register"], self.env())
+        self.node_ids = {i: node for i, node in enumerate(ids) if i < self.nodes}
         for index in range(self.nodes):
             self.start_node(index)
 
@@ -284,6 +288,7 @@ class LocalDeployment:
         resume, force = jobs[0].resume, jobs[0].force
         overrides = f"config={json.dumps(';'.join(paths))} out={json.dumps(';'.join(outs))} "
         overrides += f"resume={str(resume).lower()} force={str(force).lower()}"
+        overrides += f" {NODE_IDS_KEY}={json.dumps(format_node_ids(self.node_ids))}"
         text = self.flwr(["run", str(APP_DIR), "local", "--run-config", overrides, "--format", "json"])
         return int(json.loads(text[text.index("{") :])["run-id"])
 

@@ -29,7 +29,7 @@ import torch
 import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from fedskew.algorithms.base import Payload, RoundInfo, State
+from fedskew.algorithms.base import ALGORITHMS, Payload, RoundInfo, State
 from fedskew.data.base import resolve_root
 from fedskew.data.federated import FederatedData
 from fedskew.data.nodes import NodeManifest, spread
@@ -37,6 +37,7 @@ from fedskew.engine.assembly import ClientMeta, client_data
 from fedskew.engine.client import train_client
 from fedskew.engine.device import use_deterministic_algorithms
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, load_eval_weights, score
+from fedskew.engine.need_to_know import check_level, covers, node_view
 from fedskew.engine.runtime import ClientRuntime
 from fedskew.engine.types import tree_to
 from fedskew.errors import FedskewError
@@ -52,6 +53,7 @@ from fedskew.flower.silos import (
     federation_from,
     manifest_reply,
     node_root,
+    record_level,
 )
 from fedskew.flower.versions import Versions, versions_of
 
@@ -147,8 +149,8 @@ def timed_node_runtime(job: Mapping[str, Any], context: Context) -> tuple[NodeRu
         torch.set_num_threads(threads)
     config_text, meta = str(job["config"]), federation_from(job)
     root, index = str(context.node_config.get(DATA_ROOT_KEY, "")), node_index(context)
-    counts = None if meta is None else tuple(meta.class_counts.flatten().tolist())
-    key = (config_text, root, index, counts)
+    record = tuple(sorted((k, str(v)) for k, v in job.items() if k.startswith("fed_")))
+    key = (config_text, root, index, record)
     if key not in _CACHE:
         _CACHE.clear()
         cfg = node_config_of(config_text, root)
@@ -159,26 +161,40 @@ def timed_node_runtime(job: Mapping[str, Any], context: Context) -> tuple[NodeRu
                 lambda d: clients_on(cfg, d.num_clients, index),
                 cache_key(config_text, str(resolve_root(cfg.data.root).resolve()), index),
             )
-        _CACHE[key] = build_node(cfg, index, root, meta, data)
+        _CACHE[key] = build_node(cfg, index, root, meta, data, record_level(job))
     return _CACHE[key], time.perf_counter() - t0
 
 
 def node_clients(
-    cfg: Config, index: int, root: str, meta: ClientMeta | None, data: FederatedData | None = None
+    cfg: Config,
+    index: int,
+    root: str,
+    meta: ClientMeta | None,
+    data: FederatedData | None = None,
+    disclosed: str = "classes",
 ) -> tuple[FederatedData, ClientMeta, list[int]]:
     """Node ``index``'s view of the federation, the algorithm's context counts and its clients. A simulated
     partition is built from the config (every node the same) and the node keeps clients
     ``c % engine.nodes == index``; node-local data is read from the node's root alone, its clients
-    ``index·k .. index·k + k - 1``, the counts the server sent (``meta``). ``data``: the simulated
-    partition, already built (or read from the node's cache)."""
+    ``index·k .. index·k + k - 1``, the counts the server sent (``meta``, at level ``disclosed``). Either
+    way the context's counts are :func:`~fedskew.engine.need_to_know.node_view` at the method's declared
+    ``federation_counts``, whatever more the node knows or was sent; a record disclosing less than the
+    method needs is a one-line error. ``data``: the simulated partition, already built (or read from the
+    node's cache)."""
+    need = ALGORITHMS.get(cfg.algorithm.name).federation_counts
     if cfg.data.source == "partition":
         data = build_data(cfg) if data is None else data
-        return data, ClientMeta.of(data), clients_on(cfg, data.num_clients, index)
+        owned = clients_on(cfg, data.num_clients, index)
+        return data, node_view(ClientMeta.of(data), owned, need), owned
     if meta is None:
         raise FedskewError("data.source=nodes: the message carries no federation record")
+    if not covers(check_level(disclosed, "the federation record's fed_need"), need):
+        raise FedskewError(
+            f"the federation record discloses '{disclosed}' counts; {cfg.algorithm.name} needs '{need}'"
+        )
     owned = clients_on(cfg, meta.num_clients, index)
     local = load_node(cfg, index, node_root(cfg, root, index))
-    return spread(local, owned[0], meta.num_clients), meta, owned
+    return spread(local, owned[0], meta.num_clients), node_view(meta, owned, need), owned
 
 
 def build_node(
@@ -187,10 +203,12 @@ def build_node(
     root: str = "",
     meta: ClientMeta | None = None,
     data: FederatedData | None = None,
+    disclosed: str = "classes",
 ) -> NodeRuntime:
     """The runtime of node ``index``: its clients' samples (training samples as stored, normalised when
-    read; evaluation splits of the owned clients only) and the algorithm (:func:`node_clients`)."""
-    data, meta, owned = node_clients(cfg, index, root, meta, data)
+    read; evaluation splits of the owned clients only) and the algorithm, its context the node's view of
+    the counts (:func:`node_clients`; ``disclosed``: the level of the record ``meta`` came in)."""
+    data, meta, owned = node_clients(cfg, index, root, meta, data, disclosed)
     if cfg.engine.deterministic:  # the node trains: the switch applies here, not only on the server
         use_deterministic_algorithms()
     algorithm, models = algorithm_of(cfg, meta)  # each node resolves engine.device=auto on its own machine

@@ -18,7 +18,8 @@ non-finite upload follow ``engine.on_client_error`` exactly as a client that rai
 embedded engine (:mod:`fedskew.engine.policy`). No reply is trusted: client ids, sample counts, losses and
 each upload's arrays are checked against the request and the method's layout before any is used
 (:mod:`fedskew.engine.replies`); a refused client follows ``engine.on_client_error`` as a non-finite one.
-A restarted node gets a new Flower node id and is found again by its ``partition-id`` on the next round.
+Which Flower node serves which node index is bound for the run (:mod:`fedskew.flower.identity`): by the
+deployment's authenticated node ids, or by first claim without authentication.
 """
 
 from __future__ import annotations
@@ -28,19 +29,20 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedskew.algorithms.base import Algorithm, RoundInfo
 from fedskew.engine.assembly import initial_server
 from fedskew.engine.evaluation import Evaluator
+from fedskew.engine.folding import FoldedRound
 from fedskew.engine.loop import Simulation
 from fedskew.engine.policy import client_raised, reply_refused
 from fedskew.engine.replies import check_reply
@@ -48,24 +50,19 @@ from fedskew.engine.runtime import ModelCache
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.table_store import TableStore
 from fedskew.engine.types import ClientOutcome, RoundJob
-from fedskew.errors import FedskewError
 from fedskew.experiment.build import algorithm_of, build_algorithm, build_data, evaluator, probed, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
 from fedskew.experiment.silos import federation_meta, with_central
 from fedskew.flower.evaluation import FlowerEvaluator
+from fedskew.flower.identity import LOST, Timeline, exchange, format_node_ids, node_map, parse_node_ids
 from fedskew.flower.records import REF_KEY, config, get_payload, put_payload, ref_of
-from fedskew.flower.silos import ask_manifests, federation_record, home_of
+from fedskew.flower.silos import ask_manifests, home_of, node_federations
 
 log = logging.getLogger("fedskew.flower")
 
-#: error codes with which Flower reports a lost message or node (transport, not the client): dropped
-LOST = {ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE}
 #: per-round transport figures of a Flower run, next to ``metrics.jsonl`` (see ``FlowerExecutor.log_round``)
 ROUNDS_FILE = "flower_rounds.jsonl"
-#: the ServerApp's reply polling: from ``POLL_SECONDS[0]``, growing 1.5x per empty poll up to ``[1]``, so a
-#: fast round (the simulation) is seen at once and a slow one (a deployment) costs the SuperLink little CPU
-POLL_SECONDS = (0.01, 0.1)
 
 
 def wire_bytes(message: Message) -> int:
@@ -74,104 +71,11 @@ def wire_bytes(message: Message) -> int:
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
-@dataclass
-class Timeline:
-    """When an exchange's messages were pushed and each node's reply pulled (``time.time()`` seconds)."""
-
-    pushed: float = 0.0
-    arrived: dict[int, float] = field(default_factory=dict)
-
-
-def exchange(
-    grid: Grid, messages: dict[int, Message], timeout: float, timeline: Timeline | None = None
-) -> dict[int, Message]:
-    """Push ``messages`` (by node id), pull replies until all arrived or ``timeout`` seconds passed (their
-    times noted in ``timeline``)."""
-    if not messages:
-        return {}
-    nodes = list(messages)
-    ids = list(grid.push_messages([messages[n] for n in nodes]))
-    timeline = timeline if timeline is not None else Timeline()
-    timeline.pushed = time.time()
-    pending = dict(zip(ids, nodes, strict=True))
-    replies: dict[int, Message] = {}
-    end, delay = time.monotonic() + timeout, POLL_SECONDS[0]
-    while pending and time.monotonic() < end:
-        arrived = 0
-        for reply in grid.pull_messages(list(pending)):
-            node = pending.pop(reply.metadata.reply_to_message_id, None)
-            if node is not None:
-                replies[node] = reply
-                timeline.arrived[node] = time.time()
-                arrived += 1
-        delay = POLL_SECONDS[0] if arrived else min(delay * 1.5, POLL_SECONDS[1])
-        if pending:
-            time.sleep(min(delay, max(end - time.monotonic(), 0.0)))
-    return replies
-
-
 def experiment_key(config_text: str, out: Path | None) -> str:
     """What names an experiment to the nodes' state folders: its resolved config and output folder (the
     same on a resume, different for two experiments sharing the nodes)."""
     where = str(out.resolve()) if out is not None else ""
     return hashlib.sha256(f"{config_text}\0{where}".encode()).hexdigest()[:20]
-
-
-@dataclass
-class NodeMap:
-    """Which Flower node id serves which node index (``partition-id``); refreshed every round."""
-
-    grid: Grid
-    nodes: int
-    timeout: float
-    index: dict[int, int] = field(default_factory=dict)  # node index -> Flower node id
-    known: set[int] = field(default_factory=set)
-    online: set[int] = field(default_factory=set)  # Flower lists only nodes whose heartbeat is current
-
-    def refresh(self) -> None:
-        """Note which nodes are online, and ask every node id not seen before for its index (a restarted node
-        may have a new id)."""
-        self.online = set(self.grid.get_node_ids())
-        new = [n for n in self.online if n not in self.known]
-        if not new:
-            return
-        query = {
-            n: Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY, ttl=self.timeout)
-            for n in new
-        }
-        for node_id, reply in exchange(self.grid, query, self.timeout).items():
-            if reply.has_content() and "node" in reply.content:
-                self.index[int(config(reply.content, "node")["index"])] = node_id
-                self.known.add(node_id)
-
-    def wait_all(self) -> None:
-        """Wait (up to the timeout) until every node index has a node."""
-        end = time.monotonic() + self.timeout
-        while len(self.index) < self.nodes:
-            self.refresh()
-            if time.monotonic() > end:
-                missing = sorted(set(range(self.nodes)) - set(self.index))
-                raise FedskewError(f"Flower nodes {missing} did not connect within {self.timeout:.0f} s")
-            time.sleep(0.1 if len(self.index) < self.nodes else 0)
-
-    def node_of(self, index: int) -> int | None:
-        """The online Flower node id of node ``index`` (None: the node is offline; its clients are dropped
-        at once instead of waiting for a reply that cannot come)."""
-        node = self.index.get(index)
-        return node if node in self.online else None
-
-
-_MAPS: dict[int, NodeMap] = {}
-
-
-def node_map(grid: Grid, nodes: int, timeout: float) -> NodeMap:
-    """The grid's node map, shared by the experiments a ServerApp runs in turn (nodes answer once)."""
-    cached = _MAPS.get(id(grid))
-    if cached is None or cached.grid is not grid or cached.nodes != nodes:
-        _MAPS.clear()
-        _MAPS[id(grid)] = cached = NodeMap(grid, nodes, timeout)
-    cached.timeout = timeout
-    return cached
 
 
 class FlowerExecutor:
@@ -186,15 +90,16 @@ class FlowerExecutor:
         cfg: Config,
         device: torch.device,
         out: Path | None = None,
-        federation: dict[str, Any] | None = None,
+        federation: Mapping[int, dict[str, Any]] | None = None,
+        bound: Mapping[int, int] | None = None,
     ) -> None:
         self.algorithm, self.cfg, self.device = algorithm, cfg, device
         self.log_path = out / ROUNDS_FILE if out is not None else None
         self.config_text = dump_config(cfg)
         self.experiment = experiment_key(self.config_text, out)
-        self.federation = federation or {}  # node-local data: the counts every message carries
+        self.federation = dict(federation or {})  # node-local data: node index -> its federation record
         self.home = home_of(cfg)
-        self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout)
+        self.map = node_map(grid, cfg.engine.nodes, cfg.engine.round_timeout, bound)
         self.map.wait_all()
 
     def ask(self, messages: dict[int, Message], timeline: Timeline | None = None) -> dict[int, Message]:
@@ -206,12 +111,28 @@ class FlowerExecutor:
         every = self.cfg.checkpoint.every
         return ((r - 1) // every) * every if every else 0
 
-    def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[int, Any]) -> Message:
-        job = {**job, "config": self.config_text, "experiment": self.experiment, **self.federation}
+    def content(
+        self, node: int, job: dict[str, Any], payloads: dict[int, Any], extra: dict[str, Any] | None = None
+    ) -> RecordDict:
+        """The content of a message to Flower node ``node``: the job record (with the run's config and that
+        node's federation record: the counts its method lets it see, :mod:`fedskew.engine.need_to_know`) and
+        the clients' payloads (``p.<cid>``)."""
+        index = self.map.index_of(node)
+        own = self.federation.get(index, {}) if index is not None else {}
+        job = {**job, "config": self.config_text, "experiment": self.experiment, **own, **(extra or {})}
         content = RecordDict({"job": ConfigRecord(job)})
         for cid, payload in payloads.items():
             put_payload(content, f"p.{cid}", payload)
+        return content
+
+    def message(self, node: int, kind: str, job: dict[str, Any], payloads: dict[int, Any]) -> Message:
+        content = self.content(node, job, payloads)
         return Message(content, dst_node_id=node, message_type=kind, ttl=self.cfg.engine.round_timeout)
+
+    def train_job(self, r: int, cids: list[int], job: RoundJob) -> dict[str, Any]:
+        """The job record of round ``r``'s training of ``cids`` on one node (their states by reference)."""
+        refs = [ref_of(job.states[c]) for c in cids]
+        return {"round": r, "cids": cids, "refs": refs, "keep_from": self.keep_from(r)}
 
     def by_node(self, cids: list[int]) -> tuple[dict[int, list[int]], list[int]]:
         """The sampled clients grouped by the node id serving them, and those whose node is missing."""
@@ -232,15 +153,7 @@ class FlowerExecutor:
         groups, missing = self.by_node(job.cids)
         messages = {
             node: self.message(
-                node,
-                MessageType.TRAIN,
-                {
-                    "round": job.round,
-                    "cids": cids,
-                    "refs": [ref_of(job.states[c]) for c in cids],
-                    "keep_from": self.keep_from(job.round),
-                },
-                {c: payloads[c] for c in cids},
+                node, MessageType.TRAIN, self.train_job(job.round, cids, job), {c: payloads[c] for c in cids}
             )
             for node, cids in groups.items()
         }
@@ -341,11 +254,21 @@ class FlowerExecutor:
         pass
 
 
+class SecureFlowerExecutor(FlowerExecutor):
+    """A :class:`FlowerExecutor` whose rounds' means come from Flower's SecAgg+ (``engine.secagg``): the
+    server sees the sum of the nodes' masked updates, never an upload (:mod:`fedskew.flower.secure`)."""
+
+    def train_folded(self, job: RoundJob) -> FoldedRound:
+        from fedskew.flower.secure_server import secure_train
+
+        return secure_train(self, job)
+
+
 @dataclass
 class ServerParts:
     """What the ServerApp builds before the first round: the algorithm and models, the evaluator on its own
     test set (``None``: node-local data), the clients' test / validation sizes, the nodes' test-set sizes
-    and the federation record every message carries (node-local data)."""
+    and each node's federation record, which its messages carry (node-local data)."""
 
     algorithm: Algorithm
     models: ModelCache
@@ -353,7 +276,7 @@ class ServerParts:
     test_sizes: list[int]
     val_sizes: list[int]
     node_tests: list[int] = field(default_factory=list)
-    federation: dict[str, Any] = field(default_factory=dict)
+    federation: dict[int, dict[str, Any]] = field(default_factory=dict)  # node index -> its record
     classes: list[str] = field(default_factory=list)
     in_shape: tuple[int, ...] = ()
 
@@ -369,31 +292,40 @@ def partition_parts(cfg: Config) -> ServerParts:
     return ServerParts(algorithm, models, evaluator(cfg, algorithm, models, data), test_sizes, val_sizes)
 
 
-def node_parts(grid: Grid, cfg: Config) -> ServerParts:
+def node_parts(grid: Grid, cfg: Config, bound: Mapping[int, int] | None = None) -> ServerParts:
     """Node-local data: the nodes' manifests, checked against each other before any training, and the
     algorithm built from their counts alone; the server reads no data."""
     timeout = cfg.engine.round_timeout
-    nodes = node_map(grid, cfg.engine.nodes, timeout)
+    nodes = node_map(grid, cfg.engine.nodes, timeout, bound)
     nodes.wait_all()
     manifests = ask_manifests(nodes.index, lambda messages: exchange(grid, messages, timeout), cfg, timeout)
     meta = federation_meta(manifests)
     algorithm, models = algorithm_of(cfg, meta)
     test_sizes = [n for m in manifests for n in m.test_sizes]
     val_sizes = [n for m in manifests for n in m.val_sizes]
+    records = node_federations(meta, cfg, type(algorithm).federation_counts)  # need to know
     tests = [m.test_total for m in manifests]
     return ServerParts(
-        algorithm, models, None, test_sizes, val_sizes, tests, federation_record(meta),
+        algorithm, models, None, test_sizes, val_sizes, tests, records,
         list(manifests[0].classes), meta.in_shape,
     )  # fmt: skip
 
 
-def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Path | None) -> Simulation:
+def server_simulation(
+    grid: Grid,
+    cfg: Config,
+    out: Path | None,
+    states_dir: Path | None,
+    bound: Mapping[int, int] | None = None,
+) -> Simulation:
     """The ServerApp's round transaction: the algorithm, the clients' counts for its context, and the
-    Flower executor, evaluator and state references (:func:`partition_parts`, :func:`node_parts`)."""
-    parts = node_parts(grid, cfg) if cfg.data.source == "nodes" else partition_parts(cfg)
+    Flower executor, evaluator and state references (:func:`partition_parts`, :func:`node_parts`).
+    ``bound``: node index -> the Flower node id authenticated for it (:mod:`fedskew.flower.identity`)."""
+    parts = node_parts(grid, cfg, bound) if cfg.data.source == "nodes" else partition_parts(cfg)
     algorithm, models = parts.algorithm, parts.models
     server = initial_server(algorithm, models, cfg.seed)
-    executor = FlowerExecutor(algorithm, grid, cfg, models.device, out, parts.federation)
+    kind = FlowerExecutor if cfg.engine.secagg is None else SecureFlowerExecutor
+    executor = kind(algorithm, grid, cfg, models.device, out, parts.federation, bound)
     states = SpillingStates(lambda cid: {REF_KEY: 0}, int(cfg.engine.state_memory_mb * 2**20), states_dir)
     scorer = FlowerEvaluator(parts.local, executor, parts.test_sizes, parts.val_sizes, parts.node_tests)
     return Simulation(
@@ -409,13 +341,23 @@ def server_simulation(grid: Grid, cfg: Config, out: Path | None, states_dir: Pat
     )
 
 
-def serve(grid: Grid, cfg: Config, out: str | Path | None, resume: bool, force: bool) -> dict[str, Any]:
-    """The ServerApp's body: the whole experiment, with the results files in ``out``."""
+def serve(
+    grid: Grid,
+    cfg: Config,
+    out: str | Path | None,
+    resume: bool,
+    force: bool,
+    node_ids: Mapping[int, int] | None = None,
+) -> dict[str, Any]:
+    """The ServerApp's body: the whole experiment, with the results files in ``out``; ``node_ids``: the
+    Flower node id bound to each node index (:mod:`fedskew.flower.identity`; ``None``: first claim)."""
+    if node_ids:
+        parse_node_ids(format_node_ids(node_ids), cfg.engine.nodes)  # every index, once
     folder = Path(out) if out is not None else None
     if force and folder is not None:
         (folder / ROUNDS_FILE).unlink(missing_ok=True)
 
     def assemble(cfg: Config, states_dir: Path | None) -> Simulation:
-        return server_simulation(grid, cfg, folder, states_dir)
+        return server_simulation(grid, cfg, folder, states_dir, node_ids)
 
     return run_experiment(cfg, out, resume=resume, force=force, assemble=assemble)

@@ -4,14 +4,15 @@ Before the first round the server asks every node for its :class:`~fedskew.data.
 ``query`` message carrying the config; the node loads its data and answers with its label space, input
 shape and its clients' counts, or with the one-line error that loading gave), checks them against each
 other (:func:`~fedskew.data.nodes.check_manifests`) and builds the algorithm from the counts alone
-(:func:`~fedskew.experiment.silos.federation_meta`). Every later message carries those counts (the
-federation record), so every node constructs the same algorithm context as the server. Client ``c`` lives
-on node ``c // data.nodes.clients``.
+(:func:`~fedskew.experiment.silos.federation_meta`). Every later message to a node carries what of those
+counts the method's client-side hooks need (the node's federation record, :func:`node_federation`: its own
+clients' rows, every client's size, or every histogram; :mod:`fedskew.engine.need_to_know`), from which the
+node constructs its algorithm context. Client ``c`` lives on node ``c // data.nodes.clients``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedskew.data.nodes import NodeManifest, check_manifests
 from fedskew.engine.assembly import ClientMeta
+from fedskew.engine.need_to_know import check_level, node_view
 from fedskew.errors import DataError, FedskewError
 from fedskew.experiment.config import Config, dump_config
 from fedskew.flower.records import config
@@ -58,25 +60,77 @@ def node_root(cfg: Config, own: str, index: int) -> str:
     )
 
 
-def federation_record(meta: ClientMeta) -> dict[str, Any]:
-    """The counts every node needs to construct the server's algorithm context (job-record entries)."""
-    return {
-        "fed_classes": meta.num_classes,
-        "fed_shape": list(meta.in_shape),
-        "fed_counts": meta.class_counts.flatten().tolist(),
+def federation_record(
+    meta: ClientMeta, owned: Sequence[int] | None = None, need: str = "classes"
+) -> dict[str, Any]:
+    """The job-record entries a node builds its algorithm context from: :func:`node_view` of ``meta`` for
+    the node owning ``owned`` at level ``need`` (``owned=None``: the whole federation). Only the rows the
+    view holds travel (``fed_rows``, ``fed_counts``), every client's size only where the view has sizes
+    that are not those rows' sums (``fed_sizes``), and the level (``fed_need``) the node checks."""
+    view = meta if owned is None else node_view(meta, owned, need)
+    counts = view.class_counts
+    rows = [c for c in range(view.num_clients) if bool(counts[c].any())]
+    record: dict[str, Any] = {
+        "fed_classes": view.num_classes,
+        "fed_shape": list(view.in_shape),
+        "fed_clients": view.num_clients,
+        "fed_rows": rows,
+        "fed_counts": counts[rows].flatten().tolist(),
+        "fed_need": check_level(need),
     }
+    if not torch.equal(view.client_sizes, counts.sum(1)):
+        record["fed_sizes"] = view.client_sizes.tolist()
+    return record
+
+
+def node_federation(meta: ClientMeta, cfg: Config, index: int, need: str) -> dict[str, Any]:
+    """Node ``index``'s federation record (:func:`federation_record` for the clients living on it)."""
+    return federation_record(meta, clients_on(cfg, meta.num_clients, index), need)
+
+
+def node_federations(meta: ClientMeta, cfg: Config, need: str) -> dict[int, dict[str, Any]]:
+    """Every node index's federation record (:func:`node_federation`), what the server's messages carry."""
+    return {index: node_federation(meta, cfg, index, need) for index in range(cfg.engine.nodes)}
+
+
+def record_level(job: Mapping[str, Any]) -> str:
+    """The disclosure level of a message's federation record (a record naming none holds every row)."""
+    return str(job.get("fed_need", "classes"))
 
 
 def federation_from(job: Mapping[str, Any]) -> ClientMeta | None:
-    """The :class:`ClientMeta` a message's job record carries (``None``: a simulated-partition run)."""
+    """The :class:`ClientMeta` a message's job record carries (``None``: a simulated-partition run); a
+    malformed record is a one-line error."""
     if "fed_counts" not in job:
         return None
-    classes = int(job["fed_classes"])
-    counts = torch.tensor(list(job["fed_counts"]), dtype=torch.int64).view(-1, classes)
-    shape = tuple(int(d) for d in job["fed_shape"])
-    return ClientMeta(
-        num_clients=int(counts.shape[0]), num_classes=classes, in_shape=shape, class_counts=counts
-    )
+    try:
+        classes, shape = int(job["fed_classes"]), tuple(int(d) for d in job["fed_shape"])
+        values = torch.tensor(list(job["fed_counts"]), dtype=torch.int64).view(-1, classes)
+        n = int(job.get("fed_clients", values.shape[0]))
+        rows = [int(c) for c in job.get("fed_rows", range(n))]
+        sizes = job.get("fed_sizes")
+        size_t = None if sizes is None else torch.tensor(list(sizes), dtype=torch.int64)
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise FedskewError(f"the federation record is malformed ({type(err).__name__}: {err})") from None
+    problem = _record_problem(n, rows, values, size_t)
+    if problem:
+        raise FedskewError(f"the federation record is malformed: {problem}")
+    counts = torch.zeros(n, classes, dtype=torch.int64)
+    counts[rows] = values
+    return ClientMeta(num_clients=n, num_classes=classes, in_shape=shape, class_counts=counts, sizes=size_t)
+
+
+def _record_problem(n: int, rows: list[int], values: torch.Tensor, sizes: torch.Tensor | None) -> str:
+    """What is wrong with a decoded record's rows, counts and sizes, or ``""``."""
+    if n < 1 or len(set(rows)) != len(rows) or any(not 0 <= c < n for c in rows):
+        return f"rows {rows[:8]} are not distinct clients of 0-{n - 1}"
+    if values.shape[0] != len(rows):
+        return f"{values.shape[0]} count rows for {len(rows)} clients"
+    if sizes is not None and sizes.shape != (n,):
+        return f"{sizes.numel()} sizes for {n} clients"
+    if bool((values < 0).any()) or (sizes is not None and bool((sizes < 0).any())):
+        return "negative counts"
+    return ""
 
 
 def manifest_reply(build: Callable[[], NodeManifest]) -> RecordDict:
