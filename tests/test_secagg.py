@@ -212,3 +212,17 @@ def test_without_secagg_the_recorded_config_has_no_secagg_key():
         {**_plain(_raw()), "engine": {**_plain(_raw())["engine"], "runtime": "flower-simulation"}}
     )
     assert "secagg" not in cfg.to_dict()["engine"]
+
+
+def test_a_secure_executor_never_trains_a_round_in_the_clear(tmp_path):
+    """Defence in depth: should a round ever not fold its mean, the secure executor refuses it rather than
+    collect the uploads in the clear."""
+    from fedskew.engine.types import RoundJob
+    from fedskew.errors import FedskewError
+    from fedskew.flower.server import server_simulation
+
+    raw = _raw(rounds=1)
+    cfg = build_config({**raw, "engine": {**raw["engine"], "runtime": "flower-simulation"}})
+    sim = server_simulation(LoopbackGrid(3), cfg, tmp_path, None)
+    with pytest.raises(FedskewError, match="would reach the server in the clear"):
+        sim.executor.train(RoundJob(1, [0, 1], sim.server, {}))

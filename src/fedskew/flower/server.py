@@ -50,6 +50,7 @@ from fedskew.engine.runtime import ModelCache
 from fedskew.engine.states import SpillingStates
 from fedskew.engine.table_store import TableStore
 from fedskew.engine.types import ClientOutcome, RoundJob
+from fedskew.errors import FedskewError
 from fedskew.experiment.build import algorithm_of, build_algorithm, build_data, evaluator, probed, round_plan
 from fedskew.experiment.config import Config, dump_config
 from fedskew.experiment.runner import run_experiment
@@ -262,6 +263,13 @@ class SecureFlowerExecutor(FlowerExecutor):
         from fedskew.flower.secure_server import secure_train
 
         return secure_train(self, job)
+
+    def train(self, job: RoundJob) -> list[ClientOutcome]:
+        """Never: a round that does not fold its mean would see every upload in the clear."""
+        raise FedskewError(
+            f"round {job.round}: engine.secagg is set but the round does not fold its mean (the uploads "
+            "would reach the server in the clear); allowed: a weighted-mean method, engine.fold_uploads=true"
+        )
 
 
 @dataclass
