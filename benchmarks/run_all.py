@@ -22,7 +22,9 @@ def main() -> int:
         "__init__.py",
         "flower_peer.py",
         "pfl_peer.py",
-    )  # the peers are modules of engine_speed.py
+        "flower_bare.py",
+        "speed_stats.py",
+    )  # the peers are modules of engine_speed.py and flower_runtime.py; speed_stats is their helper
     scripts = sorted(p for p in HERE.glob("*.py") if p.name not in skip)
     failed = []
     for script in scripts:

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 
 from fedskew.errors import ConfigError, FedskewError
 from fedskew.experiment.config import build_config
@@ -160,3 +160,62 @@ def test_flower_app_folders_and_the_generic_app_declare_the_binding(tmp_path: Pa
     write_app(tmp_path / "app", _cfg(), "runs/x", "x")
     assert 'node-ids = ""' in (tmp_path / "app" / "pyproject.toml").read_text()
     assert "node-ids=" in (tmp_path / "app" / "README.md").read_text()
+
+
+def test_an_index_answer_without_a_node_record_is_refused_with_one_line(honest, tmp_path, caplog):
+    """A joining node answers the index query with an array record named ``node``: one line, no
+    traceback, and the run is the honest one."""
+    from flwr.app import ArrayRecord
+
+    grid = LoopbackGrid(3)
+    grid.add_node(IMPOSTOR, 1)
+
+    def odd(reply: Message) -> Message:
+        if reply.metadata.message_type == "query" and reply.metadata.src_node_id == IMPOSTOR:
+            return Message(RecordDict({"node": ArrayRecord()}), reply_to=_request(reply))
+        return reply
+
+    grid.faults[1] = odd
+    with caplog.at_level(logging.WARNING, logger="fedskew.flower"):
+        serve(grid, _cfg(), tmp_path, resume=False, force=False)
+    assert_same_metrics(records(tmp_path), honest)
+    assert any(f"Flower node {IMPOSTOR} answered the index query without a node record" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def _request(reply: Message) -> Message:
+    """A stand-in for the request ``reply`` answers (what ``Message(..., reply_to=)`` reads of it)."""
+    request = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type="query")
+    request.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+    return request
+
+
+def test_a_bound_node_set_right_after_a_refusal_is_bound_on_the_next_refresh():
+    from fedskew.flower.identity import NodeMap
+
+    grid = LoopbackGrid(3)
+    grid.contexts[102].node_config["partition-id"] = 0
+    nodes = NodeMap(grid, 3, 0.5, dict(BOUND))
+    nodes.refresh()
+    assert nodes.node_of(2) is None and 102 in nodes.refused
+    grid.contexts[102].node_config["partition-id"] = 2  # its operator fixes the node config
+    nodes.refresh()
+    assert nodes.node_of(2) == 102 and 102 not in nodes.refused
+
+
+def test_without_a_binding_an_index_moving_to_a_new_node_is_logged_and_the_old_holder_is_refused(caplog):
+    from fedskew.flower.identity import NodeMap
+
+    grid = LoopbackGrid(3)
+    nodes = NodeMap(grid, 3, 0.5)
+    nodes.refresh()
+    grid.remove_node(101)  # node 1 goes offline; another node claims its index
+    grid.add_node(IMPOSTOR, 1)
+    with caplog.at_level(logging.WARNING, logger="fedskew.flower"):
+        nodes.refresh()
+        grid.add_node(101, 1)  # the old holder comes back with its old id
+        nodes.refresh()
+    assert nodes.node_of(1) == IMPOSTOR
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"node index 1 moves from Flower node 101 (offline) to Flower node {IMPOSTOR}" in lines
+    assert f"Flower node 101 claims node index 1, held by Flower node {IMPOSTOR}: refused" in lines

@@ -148,7 +148,7 @@ def test_a_node_lying_about_its_weight_discards_the_round_with_one_line(tmp_path
         recs = on_flower(_raw(rounds=1), tmp_path, grid)
     assert recs[0]["rejected"] == 6  # every client: no upload can be taken out of a sum
     lines = [r.getMessage() for r in caplog.records if "secure aggregation" in r.getMessage()]
-    assert len(lines) == 1 and "node 1: weight 1048576 / 2^20 is not the plan's" in lines[0]
+    assert len(lines) == 1 and "node 1 (Flower node 101): weight 1048576 / 2^20 is not the plan's" in lines[0]
 
 
 def test_a_receipt_naming_a_foreign_client_discards_the_round_and_fail_stops_it(tmp_path):
@@ -226,3 +226,144 @@ def test_a_secure_executor_never_trains_a_round_in_the_clear(tmp_path):
     sim = server_simulation(LoopbackGrid(3), cfg, tmp_path, None)
     with pytest.raises(FedskewError, match="would reach the server in the clear"):
         sim.executor.train(RoundJob(1, [0, 1], sim.server, {}))
+
+
+#: what marks each SecAgg+ stage's reply (the configs record's keys)
+STAGE_KEY = {
+    "setup": Key.PUBLIC_KEY_1,
+    "share_keys": Key.DESTINATION_LIST,
+    "masked": Key.MASKED_PARAMETERS,
+    "unmask": Key.NODE_ID_LIST,
+}
+
+
+def _stage(reply: Message) -> str | None:
+    if not reply.has_content() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+        return None
+    keys = reply.content.config_records[RECORD_KEY_CONFIGS]
+    return next((s for s, k in STAGE_KEY.items() if k in keys), None)
+
+
+@pytest.mark.parametrize("stage", list(STAGE_KEY))
+def test_a_node_dying_at_any_stage_of_the_protocol_leaves_the_others_sum(stage, tmp_path):
+    """Node 2 dies with its reply to ``stage`` of round 1 and stays dead (still listed online). Before its
+    masked update reached the server its clients are out of round 1; after it (the unmask stage), they are
+    in it. Either way every round equals the plain run with node 2 dying at that point."""
+    grid = LoopbackGrid(3)
+
+    def dies(reply: Message) -> Message | None:
+        if 2 in grid.silent or _stage(reply) == stage:
+            grid.silent.add(2)
+            return None
+        return reply
+
+    grid.faults[2] = dies
+    secure = on_flower(_raw(), tmp_path / "s", grid)
+    dead = LoopbackGrid(3)
+    trained = stage == "unmask"  # round 1's update of node 2 is in the plain run too
+
+    def plain_dies(reply: Message) -> Message | None:
+        if reply.metadata.message_type != "train":
+            return reply
+        if trained and 2 not in dead.silent:
+            dead.silent.add(2)
+            return reply
+        return None
+
+    dead.faults[2] = plain_dies
+    plain = on_flower(_plain(_raw()), tmp_path / "p", dead)
+    assert [r.get("dropped") for r in secure] == ([None, [2, 5]] if trained else [[2, 5], [2, 5]])
+    _close(secure, plain)
+
+
+def _masked(edit: Any) -> Any:
+    def fault(reply: Message) -> Message:
+        if _stage(reply) == "masked":
+            configs = reply.content.config_records[RECORD_KEY_CONFIGS]
+            configs[Key.MASKED_PARAMETERS] = edit(list(configs[Key.MASKED_PARAMETERS]))
+        return reply
+
+    return fault
+
+
+def _shifted(vectors: list[bytes]) -> list[bytes]:
+    from flwr.common import ndarray_to_bytes
+
+    first = bytes_to_ndarray(vectors[1])
+    first.flat[0] = (int(first.flat[0]) + 2**30) % 2**32
+    return [vectors[0], ndarray_to_bytes(first), *vectors[2:]]
+
+
+def _reshaped(vectors: list[bytes]) -> list[bytes]:
+    from flwr.common import ndarray_to_bytes
+
+    return [vectors[0], ndarray_to_bytes(bytes_to_ndarray(vectors[1])[:3]), *vectors[2:]]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (_shifted, "beyond the clipping range"),  # +2^30 on one masked value: the mean leaves [-c, c]
+        (_reshaped, "secure aggregation failed (ValueError"),  # a masked array of the wrong shape
+        (lambda v: [b"not an array", *v[1:]], "secure aggregation failed"),
+        (lambda v: v[:-1], "secure aggregation failed"),  # an array missing
+    ],
+)
+def test_a_hostile_masked_update_discards_the_round_with_one_line_never_a_traceback(
+    edit, problem, tmp_path, caplog
+):
+    grid = LoopbackGrid(3)
+    grid.faults[1] = _masked(edit)
+    with caplog.at_level(logging.WARNING, logger="fedskew.engine"):
+        recs = on_flower(_raw(rounds=1), tmp_path, grid)
+    assert recs[0]["rejected"] == 6 and recs[0].get("dropped") is None
+    lines = [r.getMessage() for r in caplog.records if "secure aggregation" in r.getMessage()]
+    assert len(lines) == 1 and problem in lines[0], lines
+
+
+def test_unreadable_receipts_from_every_node_fail_the_round_under_fail(tmp_path):
+    grid = LoopbackGrid(3)
+
+    def garbage(content):
+        content.config_records["fitres.metrics"][SECAGG_KEY] = b"\x00garbage"
+
+    for node in range(3):
+        grid.faults[node] = _tamper(garbage)
+    raw = _raw(rounds=1)
+    raw["engine"]["on_client_error"] = "fail"
+    with pytest.raises(RunFailure, match="unreadable receipts"):
+        on_flower(raw, tmp_path, grid)
+
+
+def test_nodes_refuse_a_server_that_skips_the_protocol(tmp_path):
+    """A curious ServerApp sends the plain train message for a run whose config sets ``engine.secagg``: every
+    node answers with an error, and no upload array leaves a node."""
+    from fedskew.engine.policy import ClientError
+    from fedskew.engine.states import JobStates
+    from fedskew.engine.types import RoundJob
+    from fedskew.flower.server import FlowerExecutor, server_simulation
+
+    raw = _raw(rounds=1)
+    cfg = build_config({**raw, "engine": {**raw["engine"], "runtime": "flower-simulation"}})
+    grid = LoopbackGrid(3)
+    seen: list[Message] = []
+    original = grid.pull_messages
+    grid.pull_messages = lambda ids: seen.extend(out := list(original(ids))) or out  # type: ignore[method-assign]
+    sim = server_simulation(grid, cfg, tmp_path, None)
+    with pytest.raises(ClientError, match="the server asked for uploads in the clear"):
+        FlowerExecutor.train(
+            sim.executor, RoundJob(1, [0, 1, 2], sim.server, JobStates(sim.states, [0, 1, 2]))
+        )
+    assert seen and not any(
+        k.startswith("u.") for m in seen if m.has_content() for k in m.content.array_records
+    )
+
+
+def test_a_batchnorm_model_sums_its_step_counters_securely(tmp_path):
+    """``num_batches_tracked`` (int64) travels scaled down and is rounded back: the same metrics as the plain
+    run. BatchNorm's running variances move by more than 8 in a round here: the clipping range is raised."""
+    raw = _raw(rounds=1, clipping_range=32.0)
+    raw["model"] = {"name": "cnn_fedbn"}
+    secure = on_flower(raw, tmp_path / "s", LoopbackGrid(3))
+    plain = on_flower(_plain(raw), tmp_path / "p", LoopbackGrid(3))
+    _close(secure, plain)

@@ -62,9 +62,9 @@ def exchange(
     if not messages:
         return {}
     nodes = list(messages)
-    ids = list(grid.push_messages([messages[n] for n in nodes]))
     timeline = timeline if timeline is not None else Timeline()
-    timeline.pushed = time.time()
+    timeline.pushed = time.time()  # before the push: a fast node may start before push_messages returns
+    ids = list(grid.push_messages([messages[n] for n in nodes]))
     pending = dict(zip(ids, nodes, strict=True))
     replies: dict[int, Message] = {}
     end, delay = time.monotonic() + timeout, POLL_SECONDS[0]
@@ -129,7 +129,6 @@ class NodeMap:
     timeout: float
     bound: dict[int, int] = field(default_factory=dict)
     index: dict[int, int] = field(default_factory=dict)  # node index -> Flower node id
-    known: set[int] = field(default_factory=set)
     online: set[int] = field(default_factory=set)  # Flower lists only nodes whose heartbeat is current
     refused: dict[int, str] = field(default_factory=dict)  # Flower node id -> why (logged once)
 
@@ -137,15 +136,17 @@ class NodeMap:
         self.owner = {node: i for i, node in self.bound.items()}  # Flower node id -> its bound index
 
     def refresh(self) -> None:
-        """Note which nodes are online, and ask every node id not seen before for its index (a restarted node
-        may have a new id); a bound map asks only the bound ids."""
+        """Note which nodes are online, and ask every online node id that holds no index for its index (a
+        restarted node may have a new id; a refused one may have been set right); a bound map asks only the
+        bound ids."""
         self.online = set(self.grid.get_node_ids())
-        new = [n for n in self.online if n not in self.known]
+        holders = set(self.index.values())
+        new = [n for n in self.online if n not in holders]
         if self.bound:
             for n in new:
                 if n not in self.owner:
                     self.refuse(n, "is not bound to any node index (run config 'node-ids'): ignored")
-            new = [n for n in new if n in self.owner and n not in self.refused]
+            new = [n for n in new if n in self.owner]
         if not new:
             return
         query = {
@@ -153,8 +154,10 @@ class NodeMap:
             for n in new
         }
         for node_id, reply in exchange(self.grid, query, self.timeout).items():
-            if reply.has_content() and "node" in reply.content:
+            if reply.has_content() and "node" in reply.content.config_records:
                 self.claim(node_id, config(reply.content, "node").get("index"))
+            else:
+                self.refuse(node_id, "answered the index query without a node record: refused")
 
     def claim(self, node_id: int, claimed: object) -> None:
         """Node ``node_id`` says it is node index ``claimed``: bind it, or refuse it with one line."""
@@ -169,9 +172,11 @@ class NodeMap:
         if holder is not None and holder != node_id and holder in self.online:
             self.refuse(node_id, f"claims node index {claimed}, held by Flower node {holder}: refused")
             return
+        if holder is not None and holder != node_id:  # first claim: the holder is no longer listed online
+            moves = "node index %d moves from Flower node %d (offline) to Flower node %d"
+            log.warning(moves, claimed, holder, node_id)
         self.refused.pop(node_id, None)
         self.index[claimed] = node_id
-        self.known.add(node_id)
 
     def refuse(self, node_id: int, why: str) -> None:
         if self.refused.get(node_id) != why:

@@ -274,11 +274,16 @@ def _owned(node: NodeRuntime, cids: list[int]) -> None:
         raise ValueError(f"clients {stray} do not live on this node (it owns {node.owned})")
 
 
-def handle_train(content: RecordDict, context: Context) -> RecordDict:
-    """Train the message's clients from their payloads and referenced states; reply with the uploads."""
+def handle_train(content: RecordDict, context: Context, secure: bool = False) -> RecordDict:
+    """Train the message's clients from their payloads and referenced states; reply with the uploads
+    (``secure``: a SecAgg+ round's training, :mod:`fedskew.flower.secure`, whose uploads stay on the node; a
+    run whose config asks for secure aggregation refuses a plain train message, so a server that skips the
+    protocol never sees an upload)."""
     started = time.perf_counter()
     job = config(content, "job")
     node, built = timed_node_runtime(job, context)
+    if node.cfg.engine.secagg is not None and not secure:
+        raise FedskewError("the run's config sets engine.secagg; the server asked for uploads in the clear")
     r, cids, refs = int(job["round"]), [int(c) for c in job["cids"]], [int(v) for v in job["refs"]]
     _owned(node, cids)
     store = versions_of(context, str(job.get("experiment", "")))

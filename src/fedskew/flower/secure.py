@@ -67,6 +67,10 @@ SECAGG_KEY = "fedskew"
 #: a node's weight ``W_n`` (at most 1: planned mean weights sum to 1) travels as ``round(W_n · 2^20)``
 #: examples, and SecAgg+'s ``max_weight`` is 2^20, so the weight ratio it quantizes is at most 1
 WEIGHT_SCALE = 2**20
+#: an integer array (BatchNorm's step counter) travels divided by this, so that a round's change of up to
+#: 8 · 2^16 steps fits the default clipping range; the server multiplies back and rounds (SecAgg+'s error,
+#: ≈ 4e-6 · 2^16 ≈ 0.25 steps, is below the rounding's 0.5)
+COUNT_SCALE = 2.0**16
 #: the job-record entries of a secure round: each client's planned weight, and the clipping range
 WEIGHTS, CLIPPING = "secagg_weights", "secagg_clipping"
 
@@ -88,16 +92,23 @@ def node_examples(weight: float) -> int:
 
 def workflow_of(section: SecAggSection, timeout: float | None) -> Any:
     """Flower's ``SecAggPlusWorkflow`` for ``engine.secagg`` (its own checks raise ``ValueError``), with one
-    correction: a node that does not answer the setup stage (it crashed, but its heartbeat has not lapsed)
-    is left out of the round's protocol. Flower 1.42 keeps it among the sampled nodes, so that the unmask
-    stage looks for shares of its secrets, which nobody holds since it never shared them, and halts: any
-    node dead at the start of a round would void the round. A node that sent no keys has no mask in
-    anyone's vector, so leaving it out is exact."""
+    correction: a node that does not answer the setup or the key-sharing stage (it crashed, but its
+    heartbeat has not lapsed) is left out of the round's protocol. Flower 1.42 keeps it among the sampled
+    nodes, so that the unmask stage looks for shares of its secrets, which nobody holds since it never
+    shared them, and the round halts (or a node fails asking for them). A node whose keys or shares nobody
+    received has no mask in anyone's vector, so leaving it out is exact."""
     from flwr.server.workflow import SecAggPlusWorkflow
 
     class Workflow(SecAggPlusWorkflow):
         def setup_stage(self, grid: Grid, context: Any, state: Any) -> bool:
-            ok = bool(super().setup_stage(grid, context, state))
+            return self._kept(bool(super().setup_stage(grid, context, state)), state)
+
+        def share_keys_stage(self, grid: Grid, context: Any, state: Any) -> bool:
+            return self._kept(bool(super().share_keys_stage(grid, context, state)), state)
+
+        def _kept(self, ok: bool, state: Any) -> bool:
+            """Leave the nodes that did not answer this stage out of the round: one that sent no keys, or no
+            shares of its secrets, is in nobody's masks (a node masks only with those whose shares it got)."""
             answered = set(state.active_node_ids)
             state.sampled_node_ids = answered
             state.nid_to_neighbours = {
@@ -118,6 +129,14 @@ def is_secure(content: RecordDict) -> bool:
     return "fitins.config" in content.config_records
 
 
+def array_kind(shape: tuple[int, ...], floating: bool, sent: torch.Tensor | None) -> tuple[bool, float]:
+    """How an upload array enters the sum: whether as its change from what the client was sent (the same
+    array in the broadcast, of the same shape and kind), and the factor it is divided by (1; integer arrays:
+    :data:`COUNT_SCALE`). The server derives the same from the method's layout and its own broadcast."""
+    delta = sent is not None and tuple(sent.shape) == tuple(shape) and sent.is_floating_point() == floating
+    return delta, 1.0 if floating else COUNT_SCALE
+
+
 def node_update(
     sent: RecordDict, reply: RecordDict, accepted: Sequence[int], weights: Mapping[int, float]
 ) -> tuple[list[np.ndarray], list[str], list[bool], float]:
@@ -135,18 +154,17 @@ def node_update(
         if sorted(up) != names:
             raise FedskewError("secure aggregation: this node's clients upload different arrays")
         for k in names:
-            if not up[k].is_floating_point():
-                raise FedskewError(
-                    f"secure aggregation: array {k!r} ({up[k].dtype}) cannot be summed securely"
-                )
             base = down.get(k)
-            is_delta = base is not None and base.shape == up[k].shape and base.is_floating_point()
+            is_delta, scale = array_kind(tuple(up[k].shape), up[k].is_floating_point(), base)
             if delta.setdefault(k, is_delta) != is_delta:
                 raise FedskewError(f"secure aggregation: array {k!r} is sent to some clients only")
-            term = up[k].double() - (base.double() if base is not None and is_delta else 0.0)
+            term = (up[k].double() - (base.double() if base is not None and is_delta else 0.0)) / scale
             sums[k] = sums[k] + weights[cid] * term if k in sums else weights[cid] * term
     assert names is not None
-    return [(sums[k] / total).numpy() for k in names], names, [delta[k] for k in names], total
+    # 0-d arrays travel as 1-d: Flower 1.42's unmasking rescales its arrays in place, which a 0-d array
+    # (a NumPy scalar after arithmetic) silently escapes
+    arrays = [np.atleast_1d((sums[k] / total).numpy()) for k in names]
+    return arrays, names, [delta[k] for k in names], total
 
 
 def handle_secure_train(content: RecordDict, context: Context) -> RecordDict:
@@ -158,7 +176,7 @@ def handle_secure_train(content: RecordDict, context: Context) -> RecordDict:
     from fedskew.flower.node import handle_train
 
     sent = from_bytes(cast(bytes, recorddict_to_fitins(content, keep_input=True).config[SECAGG_KEY]))
-    reply = handle_train(sent, context)
+    reply = handle_train(sent, context, secure=True)
     job, answer = config(sent, "job"), config(reply, "job")
     weights = dict(zip((int(c) for c in job["cids"]), (float(w) for w in job[WEIGHTS]), strict=True))
     arrays, names, delta, total = node_update(sent, reply, [int(c) for c in answer["accepted"]], weights)

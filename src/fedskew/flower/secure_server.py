@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import FitIns, FitRes, Parameters, parameters_to_ndarrays
@@ -28,11 +29,13 @@ from fedskew.flower.secure import (
     CLIPPING,
     SECAGG_KEY,
     WEIGHTS,
+    array_kind,
     from_bytes,
     node_examples,
     to_bytes,
     workflow_of,
 )
+from fedskew.settings import SecAggSection
 
 if TYPE_CHECKING:
     from flwr.server.strategy import Strategy
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
     from fedskew.flower.server import FlowerExecutor
 
 log = logging.getLogger("fedskew.flower")
+#: the failures' key of a workflow that raised (no Flower node id is negative)
+CRASHED = -1
 
 
 def collecting_strategy(fitins: Mapping[int, FitIns], grid: Grid) -> Strategy:
@@ -96,7 +101,8 @@ def secure_sum(
     grid: Grid, ex: FlowerExecutor, r: int, fitins: Mapping[int, FitIns]
 ) -> tuple[list[tuple[int, FitRes]], dict[int, str]]:
     """One SecAgg+ run over ``fitins``' nodes: the ``FitRes`` of each node in the sum (by node id) and the
-    one-line error of each node whose ClientApp failed (by node id)."""
+    one-line error of each node whose ClientApp failed (by node id; :data:`CRASHED`: the workflow raised on
+    a message that does not follow the protocol, and there are no results)."""
     from flwr.server.compat.legacy_context import LegacyContext
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
@@ -107,7 +113,11 @@ def secure_sum(
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
     assert ex.cfg.engine.secagg is not None
     watched = WatchedGrid(grid)
-    workflow_of(ex.cfg.engine.secagg, ex.cfg.engine.round_timeout)(cast(Grid, watched), context)
+    try:
+        workflow_of(ex.cfg.engine.secagg, ex.cfg.engine.round_timeout)(cast(Grid, watched), context)
+    except Exception as err:  # a node's message Flower's workflow cannot digest (a hostile node)
+        text = str(err).splitlines()[0][:120] if str(err) else ""
+        return [], {CRASHED: f"{type(err).__name__}: {text}"}
     results = [(int(proxy.node_id), res) for proxy, res in getattr(strategy, "results", [])]
     return results, watched.errors
 
@@ -159,6 +169,12 @@ def secure_train(ex: FlowerExecutor, job: RoundJob) -> FoldedRound:
         fitins[node] = FitIns(Parameters([], ""), {SECAGG_KEY: to_bytes(content)})
     results, failures = secure_sum(ex.map.grid, ex, r, fitins)
     for node, why in failures.items():
+        if node == CRASHED:
+            for c in (c for cids in groups.values() for c in cids):
+                rnd.outcomes[c] = ClientOutcome.received(c, payloads[c])  # rejected: none is in a sum
+            what = f"round {r}: secure aggregation failed ({why}); the round's update is discarded"
+            reply_refused(cfg.engine.on_client_error, what)
+            return FoldedRound([rnd.outcomes[c] for c in job.cids], None)
         cids = groups.get(node, [])
         where = f"node {ex.home(cids[0])} (Flower node {node})" if cids else f"Flower node {node}"
         client_raised(cfg.engine.on_client_error, f"round {r}: clients {cids} failed on {where}: {why}")
@@ -179,49 +195,54 @@ def _receive(
 ) -> dict[str, torch.Tensor] | None:
     """Check every node's receipts and claimed weight, note the outcomes, and rebuild the mean (``None``
     with one line per problem under ``engine.on_client_error`` when the round's sum cannot be used)."""
-    alg, policy = ex.algorithm, ex.cfg.engine.on_client_error
-    layout: tuple[Any, Any] | None = None
-    counted: list[int] = []
+    claims: list[tuple[list[Any], list[Any]]] = []
     for node, res in results:
         cids = rnd.groups.get(node, [])
+        for c in cids:  # in the sum: rejected unless its entry passes
+            rnd.outcomes[c] = ClientOutcome.received(c, rnd.payloads[c])
+        where = f"node {ex.home(cids[0])} (Flower node {node})" if cids else f"Flower node {node}"
         try:
             receipts = from_bytes(bytes(res.metrics[SECAGG_KEY]))  # type: ignore[arg-type]
-            job = config(receipts, "job")
-            shape = (list(config(receipts, "secagg")["names"]), list(config(receipts, "secagg")["delta"]))
+            job, layout = config(receipts, "job"), config(receipts, "secagg")
+            claims.append((list(layout["names"]), list(layout["delta"])))
         except Exception as err:  # a hostile node's bytes
-            rnd.problems.append(
-                f"node {ex.home(cids[0]) if cids else '?'}: unreadable receipts ({type(err).__name__})"
-            )
+            rnd.problems.append(f"{where}: unreadable receipts ({type(err).__name__})")
             continue
-        layout = layout or shape
-        if shape != layout:
-            rnd.problems.append(f"node {ex.home(cids[0])}: its update's arrays differ from the other nodes'")
-        checked = check_reply(
-            alg, RoundInfo(r, None, ex.cfg.seed), cids, job, partial(_scalars, receipts), rnd.payloads,
-            arrays=False,
-        )  # fmt: skip
-        for cid, problem in checked.refused.items():
-            rnd.problems.append(f"node {ex.home(cids[0])}: reply for client {cid} refused: {problem}")
-        accepted = [e.upload.cid for e in checked.accepted]
-        weight = sum(rnd.weights[c] for c in accepted)
-        if res.num_examples != node_examples(weight):
-            rnd.problems.append(
-                f"node {ex.home(cids[0])}: weight {res.num_examples} / 2^20 is not the plan's {weight:.6g}"
-            )
-        for c in cids:
-            rnd.outcomes[c] = ClientOutcome.received(c, rnd.payloads[c])
-        for entry in checked.accepted:
-            o = rnd.outcomes[entry.upload.cid]
-            o.accept(entry.upload)
-            o.state, o.loss = {REF_KEY: r}, entry.loss
-        counted += accepted
-        rnd.summed[node] = accepted
-    if not results or layout is None:
-        return None
-    mean = _mean(ex, rnd, r, results[0][1], layout, counted)
+        _accept(ex, rnd, r, node, where, receipts, job, res.num_examples)
+    mean = None
+    if results and not rnd.problems:
+        try:
+            mean = _mean(ex, rnd, r, results[0][1], claims)
+        except Exception as err:  # a sum no honest round produces (a hostile masked vector)
+            rnd.problems.append(f"the round's sum is unusable ({type(err).__name__}: {str(err)[:100]})")
     for problem in rnd.problems:
-        reply_refused(policy, f"round {r}: secure aggregation: {problem}; the round's update is discarded")
+        what = f"round {r}: secure aggregation: {problem}; the round's update is discarded"
+        reply_refused(ex.cfg.engine.on_client_error, what)
     return None if rnd.problems else mean
+
+
+def _accept(
+    ex: FlowerExecutor, rnd: SecureRound, r: int, node: int, where: str, receipts: RecordDict,
+    job: Mapping[str, Any], examples: int,
+) -> None:  # fmt: skip
+    """A node's receipts checked as any reply (client ids, counts, losses, scalars) and its clear weight
+    against the plan; its accepted clients noted as in the sum."""
+    cids = rnd.groups.get(node, [])
+    checked = check_reply(
+        ex.algorithm, RoundInfo(r, None, ex.cfg.seed), cids, job, partial(_scalars, receipts), rnd.payloads,
+        arrays=False,
+    )  # fmt: skip
+    for cid, problem in checked.refused.items():
+        rnd.problems.append(f"{where}: reply for client {cid} refused: {problem}")
+    accepted = [e.upload.cid for e in checked.accepted]
+    weight = sum(rnd.weights[c] for c in accepted)
+    if examples != node_examples(weight):
+        rnd.problems.append(f"{where}: weight {examples} / 2^20 is not the plan's {weight:.6g}")
+    for entry in checked.accepted:
+        o = rnd.outcomes[entry.upload.cid]
+        o.accept(entry.upload)
+        o.state, o.loss = {REF_KEY: r}, entry.loss
+    rnd.summed[node] = accepted
 
 
 def _scalars(rd: RecordDict, cid: int) -> Payload:
@@ -231,24 +252,51 @@ def _scalars(rd: RecordDict, cid: int) -> Payload:
     return Payload(arrays={}, config=values, metrics=metrics)
 
 
+def _shape(declared: tuple[int | str, ...], summed: tuple[int, ...]) -> tuple[int, ...]:
+    """An array's shape: the method's where the layout fixes it, else the sum's."""
+    return tuple(int(d) for d in declared) if all(isinstance(d, int) for d in declared) else summed
+
+
 def _mean(
-    ex: FlowerExecutor, rnd: SecureRound, r: int, res: FitRes, layout: tuple[list, list], counted: list[int]
+    ex: FlowerExecutor, rnd: SecureRound, r: int, res: FitRes, claims: list[tuple[list[Any], list[Any]]]
 ) -> dict[str, torch.Tensor] | None:
-    """``Σ w_k u_k / Σ w_k`` over the clients in the sum: SecAgg+'s mean of the deltas plus what was sent."""
-    names, delta = layout
-    arrays = parameters_to_ndarrays(res.parameters)
-    if len(arrays) != len(names) or not counted:
-        rnd.problems.append(f"the sum holds {len(arrays)} arrays for {len(names)} names")
+    """``Σ w_k u_k / Σ w_k`` over the clients in the sum: SecAgg+'s mean of the nodes' updates, each array
+    scaled back and, where it is a change, plus what was sent. The server derives every array's kind from the
+    method's layout and its own broadcast, and refuses a sum that no honest round gives: names or kinds
+    other than those, or a mean outside the clipping range (each honest update is clipped to it)."""
+    counted = [c for cids in rnd.summed.values() for c in cids]
+    if not counted:
+        rnd.problems.append("no client's update is in the sum")
+        return None
+    first = counted[0]
+    spec = expected_layout(ex.algorithm, rnd.payloads[first], RoundInfo(r, first, ex.cfg.seed))
+    names, arrays = sorted(spec.arrays), parameters_to_ndarrays(res.parameters)
+    if len(arrays) != len(names):
+        rnd.problems.append(f"the sum holds {len(arrays)} arrays, the method uploads {len(names)}")
+        return None
+    sent = rnd.payloads[first].arrays
+    shapes = [_shape(spec.arrays[n].shape, a.shape) for n, a in zip(names, arrays, strict=True)]
+    arrays = [a.reshape(s) for a, s in zip(arrays, shapes, strict=True)]  # 0-d arrays travel as 1-d
+    kinds = [
+        array_kind(s, spec.arrays[n].dtype.is_floating_point, sent.get(n))
+        for n, s in zip(names, shapes, strict=True)
+    ]
+    if any(claim != (names, [d for d, _ in kinds]) for claim in claims):
+        rnd.problems.append("a node's update names other arrays, or other changes, than the method uploads")
+        return None
+    clip = cast(SecAggSection, ex.cfg.engine.secagg).clipping_range
+    largest = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
+    if largest > clip * (1 + 1e-9):
+        rnd.problems.append(f"the sum's mean reaches {largest:.3g}, beyond the clipping range {clip:g}")
         return None
     total = sum(rnd.weights[c] for c in counted)
-    spec = expected_layout(ex.algorithm, rnd.payloads[counted[0]], RoundInfo(r, counted[0], ex.cfg.seed))
     mean: dict[str, torch.Tensor] = {}
-    for name, is_delta, value in zip(names, delta, arrays, strict=True):
-        t = torch.from_numpy(value.astype("float64"))
+    for name, (is_delta, scale), value in zip(names, kinds, arrays, strict=True):
+        t = torch.from_numpy(np.asarray(value, dtype=np.float64)) * scale
         if is_delta:
             t = t + sum(rnd.weights[c] * rnd.payloads[c].arrays[name].double() for c in counted) / total
-        dtype = spec.arrays[name].dtype if name in spec.arrays else torch.float32
-        mean[name] = t.to(dtype)
+        dtype = spec.arrays[name].dtype
+        mean[name] = (t if dtype.is_floating_point else t.round()).to(dtype)
     problem = layout_problem(replace(spec, config=None, metrics=None), Payload(arrays=mean))
     if problem is not None:
         rnd.problems.append(f"the securely summed update: {problem}")
