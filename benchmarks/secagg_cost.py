@@ -88,7 +88,7 @@ def main() -> None:
         acc = " / ".join(f"{statistics.mean(r['accuracy'][s]):.4f}" for s in SIDES)
         print(
             f"{r['case']:<14}{r['round_s']['plain']['median']:>10.3f}{r['round_s']['secagg']['median']:>10.3f}"
-            f"  {fmt_ratio(r['ratio']):<40}{acc}"
+            f"  {fmt_ratio(r['ratio']):<40} {acc}"
         )
     print(f"({time.perf_counter() - t0:.0f} s; {cpu_info()['cpu']})")
     if args.json is not None:

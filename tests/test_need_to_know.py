@@ -247,3 +247,22 @@ def test_each_node_is_sent_only_its_declared_view_and_the_run_is_the_embedded_on
             others = [c for c in range(6) if c // 2 != index]
             assert bool(view.class_counts[others].any()) == (need == "classes"), index
             assert bool(view.client_sizes[others].any()) == (need != "own"), index
+
+
+def test_a_plugin_declaring_an_unknown_level_is_refused_when_its_config_is_built():
+    """Checked with the config, in every runtime (an embedded run never builds a node's view)."""
+    from fedskew.algorithms.base import ALGORITHMS
+    from fedskew.algorithms.fedavg import FedAvg
+    from fedskew.errors import ConfigError
+    from fedskew.experiment.config import build_config
+    from tests.test_contract import tiny_config
+
+    class Everything(FedAvg):
+        federation_counts = "all"
+
+    with ALGORITHMS.replaced("_everything", Everything):
+        with pytest.raises(ConfigError) as err:
+            build_config(tiny_config("fedavg") | {"algorithm": {"name": "_everything"}})
+    assert str(err.value) == (
+        "algorithm '_everything': federation_counts='all': allowed levels are own, sizes, classes"
+    )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from fedskew.data.partition.core import RESERVED  # partitioner arguments the engine fills in
+from fedskew.engine.need_to_know import check_level
 from fedskew.errors import ConfigError, did_you_mean
 from fedskew.experiment.clock_checks import check_clock
 from fedskew.experiment.secagg_checks import check_secagg
@@ -75,6 +76,7 @@ def validate_semantics(cfg: Config) -> None:
         check_options(model_fn, opts, _UNKNOWN.format(where=f"model.per_client.{rng}"), 2)
     alg = ALGORITHMS.get(cfg.algorithm.name)
     _check_hyper_parameters(alg, cfg)
+    check_level(alg.federation_counts, f"algorithm '{cfg.algorithm.name}': federation_counts")
     _check_eval(cfg, alg)
     mean_methods = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mean_aggregation]
     _check_security(cfg, alg, mean_methods)
