@@ -119,7 +119,7 @@ def test_tls_authenticated_deployment_gives_the_embedded_metrics_and_refuses_an_
     try:
         digits = load_config(ROOT / "configs/fedavg/digits-flower.yaml", ["rounds=2"])
         fedproto = _job(flower_config("fedproto", rounds=1), tmp_path / "fedproto")
-        secure_raw = flower_config("fedavg", rounds=2)
+        secure_raw = flower_config("fedavg", rounds=1)
         secure = _job({**secure_raw, "engine": {**secure_raw["engine"], "secagg": {}}}, tmp_path / "secure")
         summaries = dep.run([Job(digits, tmp_path / "digits"), fedproto, secure])
         refused = dep.tail("intruder", 400)

@@ -260,9 +260,8 @@ def test_a_plugin_declaring_an_unknown_level_is_refused_when_its_config_is_built
     class Everything(FedAvg):
         federation_counts = "all"
 
-    with ALGORITHMS.replaced("_everything", Everything):
-        with pytest.raises(ConfigError) as err:
-            build_config(tiny_config("fedavg") | {"algorithm": {"name": "_everything"}})
+    with ALGORITHMS.replaced("_everything", Everything), pytest.raises(ConfigError) as err:
+        build_config(tiny_config("fedavg") | {"algorithm": {"name": "_everything"}})
     assert str(err.value) == (
         "algorithm '_everything': federation_counts='all': allowed levels are own, sizes, classes"
     )

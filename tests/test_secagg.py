@@ -70,28 +70,6 @@ def _is_masked_stage(reply: Message) -> bool:
     )
 
 
-def test_a_node_killed_mid_round_leaves_the_sum_of_the_others(tmp_path, caplog):
-    """Node 2 dies after training in round 1, before its masked update reaches the server, and stays dead:
-    SecAgg+ rebuilds its pairwise masks from the others' shares (3 shares, threshold 2), and the rounds equal
-    the plain run in which node 2 never answered."""
-    grid = LoopbackGrid(3)
-
-    def dies(reply: Message) -> Message | None:
-        if _is_masked_stage(reply):
-            grid.silent.add(2)  # dead from now on, still listed online (its heartbeat has not lapsed yet)
-            return None
-        return reply
-
-    grid.faults[2] = dies
-    with caplog.at_level(logging.WARNING):
-        secure = on_flower(_raw(), tmp_path / "s", grid)
-    dead = LoopbackGrid(3)  # the plain run: node 2 dies with round 1's training message, and stays dead
-    dead.faults[2] = lambda reply: None if reply.metadata.message_type == "train" else reply
-    plain = on_flower(_plain(_raw()), tmp_path / "p", dead)
-    assert [r["dropped"] for r in secure] == [[2, 5], [2, 5]]
-    _close(secure, plain)
-
-
 def test_the_server_sees_each_node_only_masked(tmp_path):
     """Every reply the ServerApp receives: no array of any upload (the receipts hold scalars only), and the
     masked update of each node spread over [0, 2^32) like uniform noise, while an unmasked quantized delta
