@@ -1,8 +1,9 @@
 """A Flower ``Grid`` that delivers each message to fedskew's ``ClientApp`` in this process, one ``Context``
 per node, with every message's content round-tripped through Flower's wire format (protobuf + ``.npy``
 arrays): the apps' code exactly as on a deployment, without processes, so every algorithm can be checked in
-seconds. ``silent`` nodes never reply (a crashed node); ``faults`` rewrite a node's reply (``None``: the
-node dies with the message); ``raising`` nodes fail in training (Flower replies with an error)."""
+seconds. ``pushed`` and ``pulled`` keep what the server sent and received. ``silent`` nodes never reply
+(a crashed node); ``faults`` rewrite a node's reply (``None``: the node dies with the message); ``raising``
+nodes fail in training (Flower replies with an error)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class LoopbackGrid(Grid):
         self.raising: set[int] = set()  # node indexes whose ClientApp raises
         self.replies: dict[str, Message] = {}
         self.bytes_sent = 0
+        self.pushed: list[Message] = []  # every message the server pushed, as it pushed it
+        self.pulled: list[Message] = []  # every reply the server pulled, after the wire
 
     def add_node(self, node_id: int, index: int) -> None:
         cfg = {"partition-id": index, "num-partitions": len(self.contexts) + 1}
@@ -63,6 +66,7 @@ class LoopbackGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
+            self.pushed.append(msg)
             msg.metadata.__dict__["_message_id"] = mid = str(uuid4())
             ids.append(mid)
             context = self.contexts.get(msg.metadata.dst_node_id)
@@ -88,7 +92,9 @@ class LoopbackGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+        replies = [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+        self.pulled += replies
+        return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None

@@ -18,15 +18,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp.strategy import FedAvg
 
 import tests.flower_loopback as loopback
+from tests.conftest import digits_config
 
-CFG = {
-    "seed": 0,
-    "rounds": 2,
-    "data": {"dataset": "digits", "num_clients": 8, "partition": {"name": "dirichlet", "alpha": 0.5}},
-    "model": {"name": "mlp_mpfedcl"},
-    "algorithm": {"name": "fedavg"},
-    "client": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.5, "fraction": 0.5},
-}
+CFG = digits_config(rounds=2)
+CFG["data"]["num_clients"] = 8
+CFG["client"]["fraction"] = 0.5
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ refused, and a malformed binding is one line (exit 2 through the CLI's error map
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -36,17 +35,10 @@ def _cfg(rounds: int = 2, **engine: object):
 
 
 def _sent_to(grid: LoopbackGrid) -> dict[int, list[str]]:
-    """Record, per destination node id, the types of the messages the server pushes from now on."""
+    """Per destination node id, the types of the messages the server pushed."""
     sent: dict[int, list[str]] = {}
-    original = grid.push_messages
-
-    def push(messages: Iterable[Message]) -> Iterable[str]:
-        messages = list(messages)
-        for m in messages:
-            sent.setdefault(m.metadata.dst_node_id, []).append(m.metadata.message_type)
-        return original(messages)
-
-    grid.push_messages = push  # type: ignore[method-assign]
+    for m in grid.pushed:
+        sent.setdefault(m.metadata.dst_node_id, []).append(m.metadata.message_type)
     return sent
 
 
@@ -60,10 +52,9 @@ def honest(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_a_node_outside_the_binding_is_never_asked_and_the_run_is_the_honest_one(honest, tmp_path, caplog):
     grid = LoopbackGrid(3)
     grid.add_node(IMPOSTOR, 0)  # registered with the SuperLink, but not the key of node index 0
-    sent = _sent_to(grid)
     with caplog.at_level(logging.WARNING, logger="fedskew.flower"):
         serve(grid, _cfg(), tmp_path, resume=False, force=False, node_ids=BOUND)
-    assert IMPOSTOR not in sent  # not even asked for its index
+    assert IMPOSTOR not in _sent_to(grid)  # not even asked for its index
     assert_same_metrics(records(tmp_path), honest)
     lines = [r.getMessage() for r in caplog.records if str(IMPOSTOR) in r.getMessage()]
     assert lines == [
@@ -84,10 +75,9 @@ def test_a_bound_node_claiming_another_index_is_refused_with_one_line_naming_it(
 def test_without_a_binding_a_second_node_claiming_a_held_index_is_refused(honest, tmp_path, caplog):
     grid = LoopbackGrid(3)
     grid.add_node(IMPOSTOR, 1)  # joins later and claims node 1's clients while node 1 is online
-    sent = _sent_to(grid)
     with caplog.at_level(logging.WARNING, logger="fedskew.flower"):
         serve(grid, _cfg(), tmp_path, resume=False, force=False)
-    assert set(sent[IMPOSTOR]) == {"query"}  # asked for its index, never given a client
+    assert set(_sent_to(grid)[IMPOSTOR]) == {"query"}  # asked for its index, never given a client
     assert_same_metrics(records(tmp_path), honest)
     lines = {r.getMessage() for r in caplog.records if str(IMPOSTOR) in r.getMessage()}
     assert lines == {f"Flower node {IMPOSTOR} claims node index 1, held by Flower node 101: refused"}

@@ -75,16 +75,8 @@ def test_the_server_sees_each_node_only_masked(tmp_path):
     masked update of each node spread over [0, 2^32) like uniform noise, while an unmasked quantized delta
     sits within a few steps of 2^21 (zero)."""
     grid = LoopbackGrid(3)
-    seen: list[Message] = []
-    original = grid.pull_messages
-
-    def pull(ids):  # what reaches the server, after the wire
-        replies = list(original(ids))
-        seen.extend(replies)
-        return replies
-
-    grid.pull_messages = pull  # type: ignore[method-assign]
     on_flower(_raw(rounds=1), tmp_path, grid)
+    seen = grid.pulled  # what reached the server, after the wire
     masked = [r for r in seen if r.has_content() and _is_masked_stage(r)]
     assert len(masked) == 3
     for reply in masked:
@@ -324,14 +316,12 @@ def test_nodes_refuse_a_server_that_skips_the_protocol(tmp_path):
     raw = _raw(rounds=1)
     cfg = build_config({**raw, "engine": {**raw["engine"], "runtime": "flower-simulation"}})
     grid = LoopbackGrid(3)
-    seen: list[Message] = []
-    original = grid.pull_messages
-    grid.pull_messages = lambda ids: seen.extend(out := list(original(ids))) or out  # type: ignore[method-assign]
     sim = server_simulation(grid, cfg, tmp_path, None)
     with pytest.raises(ClientError, match="the server asked for uploads in the clear"):
         FlowerExecutor.train(
             sim.executor, RoundJob(1, [0, 1, 2], sim.server, JobStates(sim.states, [0, 1, 2]))
         )
+    seen = grid.pulled
     assert seen and not any(
         k.startswith("u.") for m in seen if m.has_content() for k in m.content.array_records
     )

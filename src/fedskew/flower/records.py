@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -44,12 +45,18 @@ def arrays(rd: RecordDict, key: str) -> ArrayRecord:
     return rd.array_records[key]
 
 
+def get_scalars(rd: RecordDict, key: str) -> Payload:
+    """The payload :func:`put_payload` stored under ``key`` without its arrays: its config and metrics (all
+    a secure round's receipts carry of an upload)."""
+    values = {k: float(v) for k, v in config(rd, f"{key}.c").items()}
+    metrics = {k: float(v) for k, v in cast(Mapping[str, Any], rd.metric_records[f"{key}.m"]).items()}
+    return Payload(arrays={}, config=values, metrics=metrics)
+
+
 def get_payload(rd: RecordDict, key: str, device: torch.device | str = "cpu") -> Payload:
     """The payload :func:`put_payload` stored under ``key``, arrays on ``device``."""
     tensors = {k: v.to(device) for k, v in arrays(rd, f"{key}.a").to_torch_state_dict().items()}
-    values = {k: float(v) for k, v in config(rd, f"{key}.c").items()}
-    metrics = {k: float(v) for k, v in cast(Mapping[str, Any], rd.metric_records[f"{key}.m"]).items()}
-    return Payload(arrays=tensors, config=values, metrics=metrics)
+    return replace(get_scalars(rd, key), arrays=tensors)
 
 
 def state_to_bytes(state: State) -> bytes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -24,7 +23,7 @@ from fedskew.engine.replies import check_reply, expected_count, layout_problem
 from fedskew.engine.types import ClientOutcome, RoundJob
 from fedskew.errors import ConfigError
 from fedskew.flower.identity import LOST
-from fedskew.flower.records import REF_KEY, config
+from fedskew.flower.records import REF_KEY, config, get_scalars
 from fedskew.flower.secure import (
     CLIPPING,
     SECAGG_KEY,
@@ -229,7 +228,8 @@ def _accept(
     against the plan; its accepted clients noted as in the sum."""
     cids = rnd.groups.get(node, [])
     checked = check_reply(
-        ex.algorithm, RoundInfo(r, None, ex.cfg.seed), cids, job, partial(_scalars, receipts), rnd.payloads,
+        ex.algorithm, RoundInfo(r, None, ex.cfg.seed), cids, job,
+        lambda cid: get_scalars(receipts, f"u.{cid}"), rnd.payloads,
         arrays=False,
     )  # fmt: skip
     for cid, problem in checked.refused.items():
@@ -243,13 +243,6 @@ def _accept(
         o.accept(entry.upload)
         o.state, o.loss = {REF_KEY: r}, entry.loss
     rnd.summed[node] = accepted
-
-
-def _scalars(rd: RecordDict, cid: int) -> Payload:
-    """Client ``cid``'s upload as a secure round's receipts carry it: its config and metrics, no arrays."""
-    values = {k: float(v) for k, v in config(rd, f"u.{cid}.c").items()}
-    metrics = {k: float(v) for k, v in cast(Mapping[str, Any], rd.metric_records[f"u.{cid}.m"]).items()}
-    return Payload(arrays={}, config=values, metrics=metrics)
 
 
 def _shape(declared: tuple[int | str, ...], summed: tuple[int, ...]) -> tuple[int, ...]:
