@@ -15,7 +15,7 @@ SRC = Path(fedskew.__file__).parent
 #: layer of each top-level part of the package; shared leaf modules sit at 0
 LAYERS = {
     "errors": 0, "registry": 0, "seeding": 0, "settings": 0, "numerics": 0, "threads": 0, "__init__": 0,
-    "runtimes": 0, "plugins": 5, "testing": 6,
+    "runtimes": 0, "search_space": 0, "plugins": 5, "testing": 6,
     "update_rules": 0,
     "data": 1, "models": 2, "algorithms": 3, "engine": 4, "experiment": 5, "flower": 6, "cli": 6,
     "__main__": 7,

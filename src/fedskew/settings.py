@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from fedskew.search_space import tunable
+
 
 class Strict(BaseModel):
     """A config section: unknown keys are rejected."""
@@ -46,7 +48,9 @@ LR_SHAPES: dict[str, Callable[[int, int, float], float]] = {
 class ClientSection(Strict):
     epochs: int = Field(1, ge=0, description="local epochs per round")
     batch_size: int = Field(32, ge=1, description="local mini-batch size")
-    lr: float = Field(0.01, gt=0, description="local learning rate")
+    lr: float = tunable(
+        0.01, low=1e-3, high=0.5, log=True, gt=0, description="local learning rate"
+    )  # the search space `fedskew tune` gives every method's lr
     momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum (0 with optimizer adamw)")
     weight_decay: float = Field(
         0.0,
