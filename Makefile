@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel first, pinned: an unpinned torch would pull GBs of CUDA packages
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,clip,flower,tracking,privacy]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,clip,flower,tracking,privacy,tune]'
 	# CacheFL's open_clip backbone: no torchvision (see pyproject's clip extra), torch left as pinned
 	$(BIN)/pip install -q -c constraints.txt --no-deps 'open-clip-torch==3.3.0'
 	touch $(STAMP)

@@ -31,7 +31,7 @@ from fedskew.flower.records import get_payload, put_payload, state_from_bytes, s
 from fedskew.flower.server import serve
 from fedskew.flower.versions import ContextVersions, DiskVersions, versions_of
 from tests.flower_loopback import LoopbackGrid
-from tests.test_contract import NAMES, tiny_config
+from tests.test_contract import HETERO_PARAMS, NAMES, tiny_config
 
 TIMING = ("seconds",)
 
@@ -42,6 +42,7 @@ def flower_config(name: str, rounds: int = 2, **engine: Any) -> dict[str, Any]:
     cfg["engine"].update(nodes=3, **engine)
     if ALGORITHMS.get(name).heterogeneous_models:
         cfg["model"]["per_client"] = {"0-2": {"hidden": 24}}
+        cfg["algorithm"].update(HETERO_PARAMS.get(name, {}))
     return cfg
 
 

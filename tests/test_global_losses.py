@@ -237,14 +237,15 @@ def test_fedntd_flags():
 # ==================================================================== FedDecorr
 def test_feddecorr_correlated_and_decorrelated_batches_by_hand():
     # perfectly correlated: ẑ = ((1, 1), (−1, −1)) -> K = all ones -> ‖K‖²/d² = 4/4 = 1
-    assert decorrelation_loss(torch.tensor([[1.0, 2.0], [-1.0, -2.0]])).item() == pytest.approx(1.0, rel=1e-6)
+    correlated = torch.tensor([[1.0, 2.0], [-1.0, -2.0]])
+    assert decorrelation_loss(correlated, "paper").item() == pytest.approx(1.0, rel=1e-6)
     # decorrelated (±1 grid): K = I -> ‖I‖²/d² = 1/d = 1/2 (paper); the code's off-diagonal term is 0
     grid = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])
-    assert decorrelation_loss(grid).item() == pytest.approx(0.5, rel=1e-6)
+    assert decorrelation_loss(grid, "paper").item() == pytest.approx(0.5, rel=1e-6)
     assert decorrelation_loss(grid, "code").item() == pytest.approx(0.0, abs=1e-7)
     # ρ = ½: z = ((0, 0), (1, 2), (2, 1)); centred (−1, 0, 1) and (−1, 1, 0), cov = 1/3, var = 2/3 each
     z = torch.tensor([[0.0, 0.0], [1.0, 2.0], [2.0, 1.0]])
-    assert decorrelation_loss(z).item() == pytest.approx((1 + 1 + 0.25 + 0.25) / 4, rel=1e-6)  # 0.625
+    assert decorrelation_loss(z, "paper").item() == pytest.approx((1 + 1 + 0.25 + 0.25) / 4, rel=1e-6)
     # code: unbiased var = 1 so ẑ = centred, ẑᵀẑ = ((2, 1), (1, 2)); off-diagonal mean of squares 1, / N = 3
     assert decorrelation_loss(z, "code").item() == pytest.approx(1 / 3, rel=1e-6)
 
@@ -259,7 +260,7 @@ def test_feddecorr_a_single_sample_gives_zero_and_finite_gradients():
 
 
 def test_feddecorr_local_loss_is_ce_plus_beta_times_the_term():
-    alg = make("feddecorr", beta=0.1)
+    alg = make("feddecorr", beta=0.1, formula="paper")
     model = Logits(2)  # features = x, logits = x
     x, y = torch.tensor([[0.0, 0.0], [1.0, 2.0], [2.0, 1.0]]), torch.tensor([0, 1, 0])
     step = step_for(alg, model, [2, 1])

@@ -83,7 +83,7 @@ def omit(*cids: int) -> Edit:
     def edit(content: RecordDict) -> None:
         job = content["job"]
         keep = [i for i, c in enumerate(job["accepted"]) if c not in cids]
-        for key in ("accepted", "loss", "samples"):
+        for key in ("accepted", "loss", "samples", "steps", "passes"):  # every per-client list of the reply
             job[key] = [list(job[key])[i] for i in keep]
 
     return edit

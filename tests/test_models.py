@@ -13,7 +13,7 @@ from fedskew.models import MODELS, count_parameters
 
 EXPECTED_NAMES = {
     "mlp_mpfedcl", "cnn_fedproto", "cnn_mnist", "cnn_cifar", "lenet5", "resnet8", "resnet18", "vgg11",
-    "identity", "cnn_fedbn", "resnet50",
+    "identity", "cnn_fedbn", "resnet50", "fedavg_cnn",
 }  # fmt: skip
 
 # (name, input shape, classes, options, parameter count, source of the number)

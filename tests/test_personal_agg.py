@@ -97,9 +97,12 @@ def test_the_engine_trains_from_the_data_dependent_start(name):
         load_state(model, start)  # the reference: SGD from θ̂ itself, on the same batches
         opt = SGD(list(model.parameters()), 0.05, 0.5, 0.1)
         gen = torch.Generator().manual_seed(prep.seed)
-        for idx in epoch_batches(view.num_samples, 32, gen, view.x.device):
+        held = plan.train_indices  # FedFomo: its validation split is held out of training
+        train = view if held is None else view.subset(held)
+        assert torch.equal(prep.step.client.y, train.y)
+        for idx in epoch_batches(train.num_samples, 32, gen, view.x.device):
             opt.zero_grad()
-            F.cross_entropy(model(view.x[idx]), view.y[idx]).backward()
+            F.cross_entropy(model(train.x[idx]), train.y[idx]).backward()
             opt.step()
         assert result.steps > 0
         for k, v in model.state_dict().items():
@@ -301,10 +304,14 @@ def test_fedrod_sends_body_and_generic_head_and_predicts_with_both_heads():
 
 # ================================================================ end to end
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fedfomo", "fedala", "fedrod"])
-def test_personalized_methods_learn_on_digits_and_keep_up_with_local(name):
-    """Paired with the run's untrained model (0.118) and with Local (every client alone, 0.863) on the same
-    seed and partition, at most 0.05 under it: a method that fell back to the global model (FedAvg here:
-    0.766) fails. Measured at seed 0: FedFomo 0.863, FedALA 0.890, FedRoD 0.880."""
-    raw = digits_run({"name": name}, rounds=6, protocol="personalized")
-    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below=0.05)
+@pytest.mark.parametrize(
+    ("name", "rounds", "below"), [("fedfomo", 8, 0.06), ("fedala", 6, 0.05), ("fedrod", 6, 0.05)]
+)
+def test_personalized_methods_learn_on_digits_and_keep_up_with_local(name, rounds, below):
+    """Paired with the run's untrained model (0.118) and with Local (every client alone, 0.863 after 6 rounds,
+    0.886 after 8) on the same seed and partition, at most ``below`` under it: a method that fell back to the
+    global model (FedAvg here: 0.766) fails. Measured at seed 0: FedALA 0.890, FedRoD 0.880 (6 rounds);
+    FedFomo 0.848 (8 rounds; it trains on 80% of each client's samples, the rest its held-out validation
+    split, and mixes no model on these 5 clients)."""
+    raw = digits_run({"name": name}, rounds=rounds, protocol="personalized")
+    assert_paired(run_paired(raw), baseline_accuracy(raw, {"name": "local"}), below=below)

@@ -19,7 +19,7 @@ pytest.importorskip("flwr")
 
 from fedskew.algorithms import ALGORITHMS
 from tests.flower_loopback import LoopbackGrid
-from tests.test_contract import NAMES
+from tests.test_contract import HETERO_PARAMS, NAMES
 from tests.test_contract_rules import empty_client_config, protocols_of
 from tests.test_flower import assert_same_metrics, embedded, flower_config, on_flower
 
@@ -105,6 +105,7 @@ def test_every_algorithm_with_empty_clients_agrees_on_both_runtimes(name, protoc
     raw["engine"]["nodes"] = 3
     if ALGORITHMS.get(name).heterogeneous_models:
         raw["model"]["per_client"] = {"0-2": {"hidden": 24}}
+        raw["algorithm"].update(HETERO_PARAMS.get(name, {}))
     here = embedded(raw, tmp_path / "embedded")
     there = on_flower(raw, tmp_path / "flower", LoopbackGrid(3))
     assert_same_metrics(here, there)

@@ -22,6 +22,8 @@ from fedskew.errors import ConfigError
 SEARCH_KEY = "search"
 
 Choice = bool | int | float | str | None
+#: a tuned value within this share of its range's width from an end counts as "at the boundary"
+BOUNDARY_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,21 @@ class SearchSpace:
             return False
         return self.low <= value <= self.high
 
-    def at_boundary(self, value: Any) -> bool:
-        """Whether ``value`` sits on an end of a range (the "collapses onto a baseline" flag's test); a
-        choice is never on a boundary."""
-        return self.choices is None and value in (self.low, self.high)
+    def position(self, value: float) -> float:
+        """Where ``value`` lies in the range: 0 at ``low``, 1 at ``high`` (on the log scale when ``log``)."""
+        assert self.low is not None and self.high is not None
+        if self.log:
+            return (math.log(value) - math.log(self.low)) / (math.log(self.high) - math.log(self.low))
+        return (value - self.low) / (self.high - self.low)
+
+    def at_boundary(self, value: Any, tolerance: float = BOUNDARY_TOLERANCE) -> bool:
+        """Whether ``value`` sits at an end of a range, within ``tolerance`` of its width (on the sampling
+        scale: a continuous sampler never hits the end exactly); the "collapses onto a baseline" flag's test.
+        A choice is never on a boundary."""
+        if self.choices is not None or not self.contains(value):
+            return False
+        pos = self.position(float(value))
+        return pos <= tolerance or pos >= 1 - tolerance
 
     def text(self) -> str:
         """One short line: ``{a, b, c}``, ``[1e-4, 1] log`` or ``[1, 8] int``."""

@@ -63,6 +63,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.helpers import personal_module
 from fedskew.errors import ConfigError
+from fedskew.search_space import tunable
 
 #: the submodule holding the client's local model v (its state entries are prefixed ``apfl_local.``)
 LOCAL = "apfl_local"
@@ -83,12 +84,14 @@ class APFL(Algorithm):
     vectorizable = False
 
     class Params(HyperParams):
-        alpha: float = Field(
+        alpha: float = tunable(
             0.5,
+            low=0.25,
+            high=0.75,
             ge=0.0,
             le=1.0,
             description="initial mixing weight α (source: authors' code --fed_personal_alpha 0.5; the "
-            "paper's experiments use α ∈ {0.25, 0.5, 0.75})",
+            "paper's experiments use α ∈ {0.25, 0.5, 0.75}; search: that range)",
         )
         adaptive: bool = Field(
             True,

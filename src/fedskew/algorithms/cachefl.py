@@ -49,6 +49,7 @@ from fedskew.algorithms.vision_language import (
     vl_assets,
     zero_shot_logits,
 )
+from fedskew.search_space import tunable
 
 
 def affinity(f: Tensor, keys: Tensor, beta: float) -> Tensor:
@@ -96,13 +97,25 @@ class CacheModel(nn.Module):
 
 
 class CacheParams(HyperParams):
-    alpha: float = Field(
+    alpha: float = tunable(
         1.0,
+        low=0.1,
+        high=10.0,
+        log=True,
         ge=0.0,
         description="α, weight of the cache logits (Eq. 7; per dataset by grid search: Caltech101 3, "
-        "DTD 2, ImageNet 0.6, Appendix B.2)",
+        "DTD 2, ImageNet 0.6, Appendix B.2; search: fedskew, the paper states no grid: [0.1, 10] log spans "
+        "its values)",
     )
-    beta: float = Field(1.0, gt=0.0, description="β, sharpness of the affinity kernel (Eq. 6; 1 in App. B.2)")
+    beta: float = tunable(
+        1.0,
+        low=0.1,
+        high=10.0,
+        log=True,
+        gt=0.0,
+        description="β, sharpness of the affinity kernel (Eq. 6; 1 in App. B.2, grid-searched per dataset; "
+        "search: fedskew, [0.1, 10] log around the paper's 1)",
+    )
     logit_scale: float = Field(
         100.0, gt=0.0, description="s on the zero-shot logits (CLIP/Tip-Adapter's 100; Eq. 5 prints none)"
     )

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from fedskew.algorithms.base import ALGORITHMS, HyperParams
 from fedskew.algorithms.vision_language import TextHead, UntrainedMethod, VisionLanguageMethod, vl_assets
 from fedskew.errors import ConfigError
+from fedskew.search_space import tunable
 from fedskew.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -77,7 +78,15 @@ class AdapterFL(VisionLanguageMethod):
 
     class Params(ZeroShotParams):
         reduction: int = Field(4, ge=1, description="bottleneck reduction C/r (CLIP-Adapter: 4, 1024→256)")
-        ratio: float = Field(0.2, ge=0.0, le=1.0, description="residual ratio ρ (CLIP-Adapter's 0.2)")
+        ratio: float = tunable(
+            0.2,
+            low=0.0,
+            high=1.0,
+            ge=0.0,
+            le=1.0,
+            description="residual ratio ρ (CLIP-Adapter's 0.2; search: fedskew, the whole range; 0 is "
+            "zero-shot CLIP)",
+        )
 
     p: Params
 

@@ -52,6 +52,8 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.fedprox import proximal_term
 from fedskew.algorithms.helpers import personal_module
+from fedskew.algorithms.work import Work, epochs_work
+from fedskew.search_space import tunable
 
 #: the submodule holding the personal model v_k in every model Ditto trains
 PERSONAL = "ditto_personal"
@@ -76,11 +78,15 @@ class Ditto(Algorithm):
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        lam: float = Field(
+        lam: float = tunable(
             1.0,
+            low=0.05,
+            high=2.0,
+            log=True,
             ge=0.0,
             description="λ of h_k (Eq. 1) (source: Li et al. 2021 tune λ over {0.05, 0.1, 0.2, 0.5, 1, 2}; "
-            "λ = 1 in the authors' run scripts `run_*_ditto_lam1.sh`, as FL-bench's default)",
+            "λ = 1 in the authors' run scripts `run_*_ditto_lam1.sh`, as FL-bench's default; search: that "
+            "grid's range, log)",
         )
         personal_epochs: int | None = Field(
             None,
@@ -128,6 +134,15 @@ class Ditto(Algorithm):
             alone = is_personal if s > epochs else is_global
             phases.append(Phase(epochs=abs(s - epochs), lr=lr, trainable=alone))
         return LocalPlan(phases)
+
+    def extra_work(self, num_samples: int, local: Work) -> Mapping[str, Work]:
+        """:mod:`fedskew.algorithms.work`: a step of the joint phase updates both copies (two forward-backward
+        passes), so the personal copy's updates there are work besides the loop's steps; its lone epochs
+        (``personal_epochs`` > E) are steps of the loop already."""
+        cfg = self.ctx.client
+        s = cfg.epochs if self.p.personal_epochs is None else self.p.personal_epochs
+        joint = epochs_work(min(cfg.epochs, s), num_samples, cfg.batch_size)
+        return {"personal_model": Work(min(joint.steps, local.steps), min(joint.samples, local.samples))}
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
         """CE(w) + CE(v) + λ/2 ‖v − w^t‖² (gradients: ∇F_k(w) and ∇F_k(v) + λ(v − w^t))."""

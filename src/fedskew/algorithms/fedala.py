@@ -56,6 +56,7 @@ from fedskew.algorithms.base import (
     model_arrays,
 )
 from fedskew.algorithms.helpers import train_mode
+from fedskew.search_space import tunable
 
 ALA_KEY = 0xA1A  # the start of the sampled slice
 
@@ -114,8 +115,14 @@ class FedALA(Algorithm):
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        rand_percent: float = Field(
-            80.0, gt=0, le=100, description="s: % of local data W is learned on (source: run_me.sh -rp 80)"
+        rand_percent: float = tunable(
+            80.0,
+            low=5.0,
+            high=100.0,
+            gt=0,
+            le=100,
+            description="s: % of local data W is learned on (source: run_me.sh -rp 80; search: fedskew, "
+            "[5, 100])",
         )
         layers: int = Field(
             1,
@@ -123,7 +130,14 @@ class FedALA(Algorithm):
             description="p: top parameterised layers mixed by W; lower ones take Θ; 0: all (source: "
             "main.py/run_me.sh layer_idx 2 = one weight + one bias: the top layer)",
         )
-        eta: float = Field(1.0, gt=0, description="η: learning rate of W (source: main.py default)")
+        eta: float = tunable(
+            1.0,
+            low=0.1,
+            high=10.0,
+            log=True,
+            gt=0,
+            description="η: learning rate of W (source: main.py default; search: fedskew, [0.1, 10] log)",
+        )
         threshold: float = Field(
             0.1, ge=0, description="first ALA stops when the std of the last losses < this (source: ALA.py)"
         )

@@ -37,11 +37,11 @@ from fedskew.algorithms.base import (
     State,
     model_arrays,
 )
-from fedskew.algorithms.finetune import FINETUNE_KEY, FineTuneParams, finetune, finetune_plan
+from fedskew.algorithms.finetune import FINETUNE_KEY, FineTuneParams, FineTuneWork, finetune, finetune_plan
 
 
 @ALGORITHMS.register("fedavg_ft")
-class FedAvgFT(Algorithm):
+class FedAvgFT(FineTuneWork, Algorithm):
     """FedAvg-FT: FedAvg training; each client is evaluated with the global model fine-tuned locally."""
 
     personalized_eval: ClassVar[bool] = True

@@ -48,12 +48,19 @@ from fedskew.algorithms.base import (
     model_arrays,
     server_arrays,
 )
-from fedskew.algorithms.finetune import FINETUNE_KEY, FineTuneParams, finetune, finetune_plan, head_filter
+from fedskew.algorithms.finetune import (
+    FINETUNE_KEY,
+    FineTuneParams,
+    FineTuneWork,
+    finetune,
+    finetune_plan,
+    head_filter,
+)
 from fedskew.errors import ConfigError
 
 
 @ALGORITHMS.register("fedbabu")
-class FedBABU(Algorithm):
+class FedBABU(FineTuneWork, Algorithm):
     """FedBABU (Oh et al. 2022): body-only federated training under a fixed random head; fine-tuning for
     personalization."""
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
@@ -36,6 +35,7 @@ from fedskew.algorithms.base import (
     uniform_weights,
 )
 from fedskew.algorithms.fedprox import proximal_term
+from fedskew.search_space import tunable
 
 
 @ALGORITHMS.register("feddyn")
@@ -45,11 +45,14 @@ class FedDyn(Algorithm):
     loss_reads = frozenset({"payload", "state", "derived"})
 
     class Params(HyperParams):
-        alpha: float = Field(
+        alpha: float = tunable(
             0.01,
+            low=1e-3,
+            high=0.1,
+            log=True,
             gt=0.0,
             description="regularisation α (source: Acar et al. 2021 §5, searched over {0.1, 0.01, 0.001}; "
-            "FedEnt §6.1.3 uses 0.001)",
+            "FedEnt §6.1.3 uses 0.001; search: that grid's range, log)",
         )
 
     p: Params

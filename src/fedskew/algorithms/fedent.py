@@ -82,6 +82,7 @@ from fedskew.algorithms.fedent_solver import (
     sq_norm,
 )
 from fedskew.algorithms.layouts import UploadLayout, specs_of
+from fedskew.search_space import tunable
 from fedskew.seeding import derive_seed
 
 log = logging.getLogger("fedskew.algorithms.fedent")
@@ -95,19 +96,24 @@ STEP_PREFIX = "mf_step."  # FedNorm: payload prefix of the estimate of φ1(t) �
 class RateParams(HyperParams):
     """Shared by FedEnt and FedNorm: the control weight, the EMA and the probe."""
 
-    beta: float = Field(
+    beta: float = tunable(
         0.99,
+        low=0.5,
+        high=0.999,
         ge=0.0,
         lt=1.0,
         description="weight β of the distance term against (1 − β) η² (source: paper §6.1, β = 0.99 for "
-        "FedEnt and FedNorm; β = 0 allowed as an ablation, the paper states β ∈ (0, 1))",
+        "FedEnt and FedNorm; β = 0 allowed as an ablation, the paper states β ∈ (0, 1); search: fedskew, "
+        "§6.2.5 varies β without stating its values)",
     )
-    gamma: float = Field(
+    gamma: float = tunable(
         0.99,
+        low=0.5,
+        high=1.0,
         ge=0.0,
         le=1.0,
         description="EMA decay γ of Eq. (37) (source: paper §6.1/§6.2.5, γ = 0.99; γ = 1 freezes η at "
-        "client.lr, i.e. FedAvg — an ablation)",
+        "client.lr, i.e. FedAvg — an ablation; search: fedskew, §6.2.5 varies γ without stating its values)",
     )
     eta_max: float = Field(
         1.0, gt=0.0, description="clip of the raw η (source: paper Eq. 7/§4.2, domain η ∈ [0, 1])"

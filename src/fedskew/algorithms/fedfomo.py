@@ -16,8 +16,13 @@ once, so round 1 is plain local training.
 Choices (docs/decisions.md, "FedFomo"):
 
 * L_i is the mean cross-entropy, in eval mode, on a validation split: a fixed ``val_share`` of the client's
-  training samples drawn once from the run's seed. Hooks see only training data, so the split is also
-  trained on (the paper holds it out).
+  training samples drawn once from the run's seed and held out of its local training (``val_data:
+  held_out``, the default): ``start_local`` names the other samples as the plan's ``train_indices``, so the
+  client trains on the rest, as the authors' code does (NVlabs/FedFomo ``client.py`` ``init_data``: a
+  seeded ``random_split`` into disjoint train and val sets, ``--train_split 0.8`` in its README commands)
+  and PFLlib (``clientfomo.py``: the last ``val_ratio = 0.2`` of the training data is the val loader and is
+  not trained on). ``val_data: in_training`` keeps fedskew's former reading (the split is also trained on,
+  which favours the client's own model: docs/decisions.md, "Issue 52: FedFomo's held-out validation").
 * Parameters are combined; BatchNorm statistics stay the client's (the authors' code mixes every state entry;
   the paper's CNNs have no BatchNorm). ‖·‖ is the L2 norm over parameters (``distance="l1"``: the authors'
   code's default ``--model_delta_norm l1``). ``affinity="normalized"`` adds w_n / |Σ_m w_m| as that code does.
@@ -62,6 +67,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.helpers import eval_mode, no_global_model
 from fedskew.algorithms.layouts import ArraySpec, UploadLayout, specs_of, template
+from fedskew.search_space import tunable
 from fedskew.seeding import derive_seed
 
 SELECT_KEY = 0xF0F0  # the server's ε-greedy draws
@@ -124,11 +130,15 @@ class FedFomo(Algorithm):
     requires_personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        M: int = Field(
+        M: int = tunable(
             5,
+            low=1,
+            high=10,
+            integer=True,
             ge=1,
             description="models downloaded per client and round (source: PFLlib M=5; "
-            "authors' cfg NUM_UPDATE_CLIENTS=8)",
+            "authors' cfg NUM_UPDATE_CLIENTS=8; the authors' README runs 4 and 9 others, the paper's "
+            "'5 models' and '10 models')",
         )
         epsilon: float = Field(0.3, ge=0, le=1, description="ε-greedy exploration (source: authors' cfg 0.3)")
         epsilon_decay: float = Field(
@@ -139,6 +149,11 @@ class FedFomo(Algorithm):
             gt=0,
             lt=1,
             description="share of local samples in the validation split (source: authors' cfg VAL_SPLIT=0.2)",
+        )
+        val_data: Literal["held_out", "in_training"] = Field(
+            "held_out",
+            description="held_out: the validation split is not trained on (authors' code, PFLlib); "
+            "in_training: it is also trained on (fedskew before issue 52)",
         )
         distance: Literal["l2", "l1"] = Field("l2", description="‖θ_n − θ_i‖: L2 (§3.2) or L1 (code default)")
         affinity: Literal["raw", "normalized"] = Field(
@@ -182,7 +197,7 @@ class FedFomo(Algorithm):
         """Store each upload as its client's latest model; P_{i,n} += w_{i,n}. Only the uploaders' rows are
         new: the other rows are shared with ``server``'s tables."""
         models, rows = server["models"], server["P"]
-        new_models, new_rows, used = {}, {}, []
+        new_models, new_rows, used, offered = {}, {}, [], 0
         for u in uploads:
             sent = u.payload.model_state()
             new_models[u.cid] = {k: v.to(self.ctx.device, self.dtypes[k], copy=True) for k, v in sent.items()}
@@ -193,7 +208,12 @@ class FedFomo(Algorithm):
             p[ids] += w
             new_rows[u.cid] = {"P": p}
             used.append(float((w > 0).sum()))
-        metrics = {"fomo_models_used": sum(used) / max(len(used), 1)}
+            offered += ids.numel()
+        metrics = {  # how much clients mix: candidates used per uploader, their share, uploaders that mix
+            "fomo_models_used": sum(used) / max(len(used), 1),
+            "fomo_positive_share": sum(used) / max(offered, 1),
+            "fomo_clients_mixing": float(sum(u > 0 for u in used)),
+        }
         return ServerUpdate({"models": models.with_rows(new_models), "P": rows.with_rows(new_rows)}, metrics)
 
     # ---------------------------------------------------------------- client
@@ -205,28 +225,36 @@ class FedFomo(Algorithm):
             raise no_global_model(self.name)
         return state["weights"]
 
-    def validation_split(self, client: ClientView) -> tuple[Tensor, Tensor]:
-        """A fixed ``val_share`` of the client's samples (at least one), drawn once from the run's seed."""
+    def split(self, client: ClientView) -> tuple[Tensor, Tensor | None]:
+        """The validation indices, a fixed ``val_share`` of the client's samples (at least one) drawn once
+        from the run's seed, and the indices local training uses: the other samples under ``held_out`` (a
+        client with fewer than two samples cannot hold one out: it trains on what it scores on), ``None`` (all
+        of them) under ``in_training``."""
         n = client.num_samples
         size = min(n, max(1, round(self.p.val_share * n)))
         gen = torch.Generator().manual_seed(derive_seed(self.ctx.seed, VAL_KEY, client.cid))
-        idx = torch.randperm(n, generator=gen)[:size].to(client.y.device)
-        return client.x[idx], client.y[idx]
+        order = torch.randperm(n, generator=gen).to(client.y.device)
+        if self.p.val_data == "in_training" or n < 2:
+            return order[:size], None
+        size = min(size, n - 1)  # at least one sample to train on
+        return order[:size], order[size:].sort().values
 
     def distance(self, a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
         diffs = torch.cat([(a[n] - b[n]).flatten() for n in sorted(self.param_names)])
         return diffs.abs().sum() if self.p.distance == "l1" else diffs.norm()
 
     def start_local(self, step: LocalStep) -> LocalPlan:
-        """Eq. (3)–(4): the weights of the candidates on the validation split, and θ_i^t to train from."""
+        """Eq. (3)–(4): the weights of the candidates on the validation split, θ_i^t to train from, and the
+        samples to train on (``held_out``: all but the validation split)."""
         plan = super().start_local(step)
         ids = step.payload.arrays.get(IDS, torch.zeros(0, dtype=torch.long))
         theta = step.state["weights"]
         cands = [step.payload.prefixed(candidate_prefix(k)) for k in range(ids.numel())]
-        x, y = self.validation_split(step.client)
+        val, train = self.split(step.client)
+        x, y = step.client.x[val], step.client.y[val]
         if not cands or x.shape[0] == 0:
             zeros = torch.zeros(len(cands), device=x.device)
-            return LocalPlan(plan.phases, derived={IDS: ids, WEIGHTS: zeros})
+            return LocalPlan(plan.phases, derived={IDS: ids, WEIGHTS: zeros}, train_indices=train)
         with eval_mode(step.model) as model:
             base = validation_loss(model, theta, x, y)
             losses = torch.stack([validation_loss(model, c, x, y) for c in cands])
@@ -235,12 +263,12 @@ class FedFomo(Algorithm):
         mix = mixing_weights(w)
         derived = {IDS: ids, WEIGHTS: w}
         if float(mix.sum()) == 0:  # no candidate helps: θ_i^t = θ_i^{t−1}, loaded already
-            return LocalPlan(plan.phases, derived=derived)
+            return LocalPlan(plan.phases, derived=derived, train_indices=train)
         start = {
             n: theta[n] + sum(float(mix[k]) * (c[n] - theta[n]) for k, c in enumerate(cands) if mix[k] > 0)
             for n in sorted(self.param_names)
         }
-        return LocalPlan(plan.phases, derived=derived, start_weights=start)
+        return LocalPlan(plan.phases, derived=derived, start_weights=start, train_indices=train)
 
     def finish_local(self, step: LocalStep, result: LocalResult) -> LocalOutput:
         weights = clone_state(step.model.state_dict())  # trained from θ_i^t (the plan's start_weights)

@@ -71,6 +71,7 @@ from fedskew.algorithms.batching import batches_per_epoch
 from fedskew.algorithms.helpers import frozen
 from fedskew.algorithms.layouts import UploadLayout, specs_of
 from fedskew.models.base import FedModel, HeadView
+from fedskew.search_space import tunable
 from fedskew.seeding import derive_seed
 from fedskew.update_rules import adam_l2_update
 
@@ -155,11 +156,15 @@ class FedGen(Algorithm):
     federation_counts = "classes"
 
     class Params(HyperParams):
-        alpha: float = Field(
+        alpha: float = tunable(
             1.0,
+            low=0.1,
+            high=10.0,
+            log=True,
             ge=0.0,
             description="weight α of the generated-sample risk (Eq. 6 adds it with unit weight; with "
-            "regularizer=code the initial α_t, the code's generative_alpha: 10 for MNIST)",
+            "regularizer=code the initial α_t, the code's generative_alpha: 10 for MNIST; search: fedskew, "
+            "[0.1, 10] log)",
         )
         beta: float = Field(
             10.0, ge=0.0, description="regularizer=code only: initial β_t (code: generative_beta 10, MNIST)"

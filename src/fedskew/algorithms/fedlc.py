@@ -36,6 +36,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, Batch, HyperParams, LocalStep
+from fedskew.search_space import tunable
 
 #: FL-bench / PFLlib's floor on a missing class's count (``zero_count="clamp"``)
 CLAMP_COUNT = 1e-8
@@ -62,12 +63,15 @@ class FedLC(Algorithm):
     """FedLC (Zhang et al. 2022): cross-entropy on logits calibrated by the client's label counts."""
 
     class Params(HyperParams):
-        tau: float = Field(
+        tau: float = tunable(
             0.1,
+            low=0.01,
+            high=1.0,
+            log=True,
             ge=0.0,
             description="calibration strength τ of the shift τ n_y^{-1/4} (source: not given in Zhang et al. "
             "2022 Eq. 7; 0.1 as in the FedDecorr authors' run_scripts/cifar10_fedlogitcal.sh and the Flower "
-            "FedLC baseline's distribution-skew runs)",
+            "FedLC baseline's distribution-skew runs; search: fedskew, [0.01, 1] log, no paper grid)",
         )
         zero_count: Literal["exclude", "clamp"] = Field(
             "exclude",

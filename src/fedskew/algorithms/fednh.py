@@ -79,6 +79,7 @@ from fedskew.algorithms.helpers import eval_mode
 from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.models.base import FedModel, embed_in_chunks
+from fedskew.search_space import tunable
 from fedskew.seeding import derive_seed
 
 #: name of the scale parameter attached to the model for local training
@@ -169,12 +170,15 @@ class FedNH(Algorithm):
     vectorizable = False
 
     class Params(HyperParams):
-        rho: float = Field(
+        rho: float = tunable(
             0.9,
+            low=0.5,
+            high=1.0,
             ge=0.0,
             le=1.0,
             description="smoothing ρ of the semantics infusion μ_c ← ρ μ_c + (1−ρ) μ̄_c (source: code "
-            "FedNH_smoothing=0.9, main.py and experiment yamls); 1 keeps the initial prototypes (FedUH)",
+            "FedNH_smoothing=0.9, main.py and experiment yamls); 1 keeps the initial prototypes (FedUH) "
+            "(search: fedskew, [0.5, 1])",
         )
         scale_init: float = Field(
             1.0,

@@ -33,6 +33,7 @@ from torch.func import functional_call
 
 from fedskew import numerics
 from fedskew.algorithms.base import ALGORITHMS, Algorithm, Batch, HyperParams, LocalStep, Payload
+from fedskew.search_space import tunable
 
 
 def not_true_logits(logits: Tensor, y: Tensor) -> Tensor:
@@ -67,17 +68,24 @@ class FedNTD(Algorithm):
     loss_reads: ClassVar[frozenset[str]] = frozenset({"payload"})  # the global model's weights
 
     class Params(HyperParams):
-        beta: float = Field(
+        beta: float = tunable(
             1.0,
+            low=0.1,
+            high=10.0,
+            log=True,
             ge=0.0,
             description="weight β of L_NTD (source: Lee et al. 2022 experimental setup, β = 1; the authors' "
-            "config/fedntd.json)",
+            "config/fedntd.json; search: fedskew, [0.1, 10] log)",
         )
-        tau: float = Field(
+        tau: float = tunable(
             1.0,
+            low=0.5,
+            high=5.0,
+            log=True,
             gt=0.0,
             description="softmax temperature τ of the not-true distributions (source: Lee et al. 2022 "
-            "experimental setup, τ = 1; the authors' config/fedntd.json; criterion.py's class default is 3)",
+            "experimental setup, τ = 1; the authors' config/fedntd.json; criterion.py's class default is 3; "
+            "search: fedskew, [0.5, 5] log spans both)",
         )
         scaling: Literal["paper", "code"] = Field(
             "paper",

@@ -34,6 +34,7 @@ from fedskew.algorithms.base import (
     ServerUpdate,
     State,
 )
+from fedskew.search_space import tunable
 
 
 class ServerOptimizer(Algorithm):
@@ -89,11 +90,14 @@ class FedAvgM(ServerOptimizer):
             gt=0.0,
             description="server learning rate η (source: Hsu et al. 2019 §3; η=1 keeps FedAvg's step)",
         )
-        momentum: float = Field(
+        momentum: float = tunable(
             0.9,
+            low=0.0,
+            high=0.99,
             ge=0.0,
             lt=1.0,
-            description="server momentum β (source: Hsu et al. 2019 §3; Reddi et al. 2021 use 0.9)",
+            description="server momentum β (source: Hsu et al. 2019 §3; Reddi et al. 2021 use 0.9; search: "
+            "fedskew, [0, 0.99]; 0 is FedAvg)",
         )
 
     p: Params
@@ -105,11 +109,14 @@ class FedAvgM(ServerOptimizer):
 
 # ------------------------------------------------------------------------------------------------ adaptive
 class AdaptiveParams(HyperParams):
-    server_lr: float = Field(
+    server_lr: float = tunable(
         1e-2,
+        low=1e-3,
+        high=1.0,
+        log=True,
         gt=0.0,
         description="server learning rate η (source: Reddi et al. 2021 §5, tuned on a grid; FedEnt gives no "
-        "value: 1e-2 is our default, tune in {1e-3, 1e-2, 1e-1})",
+        "value: 1e-2 is our default, tune in {1e-3, 1e-2, 1e-1}; search: fedskew, [1e-3, 1] log spans it)",
     )
     beta1: float = Field(
         0.9,

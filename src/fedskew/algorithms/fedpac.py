@@ -73,6 +73,7 @@ from fedskew.algorithms.layouts import ArraySpec, UploadLayout, class_rows, spec
 from fedskew.algorithms.protos import aggregate_prototypes, class_means, pack
 from fedskew.errors import ConfigError
 from fedskew.models.base import FedModel, embed_in_chunks
+from fedskew.search_space import tunable
 
 HEAD = "head."  # payload prefix of the personal head
 
@@ -151,11 +152,14 @@ class FedPAC(Algorithm):
     requires_personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        lam: float = Field(
+        lam: float = tunable(
             1.0,
+            low=0.1,
+            high=10.0,
+            log=True,
             ge=0.0,
             description="λ, weight of the feature-alignment term (§4.1; source: the authors' code, "
-            "--lam default 1.0 'for mse_loss')",
+            "--lam default 1.0 'for mse_loss'; search: fedskew, [0.1, 10] log)",
         )
         head_epochs: int = Field(
             1, ge=0, description="epochs on the head, body frozen, before the body (Alg. 1; code: 1 epoch)"

@@ -66,6 +66,7 @@ from fedskew.algorithms.protos import (
     pack,
 )
 from fedskew.models.base import FedModel, embed_in_chunks
+from fedskew.search_space import tunable
 
 
 def prototype_regularizer(h: Tensor, y: Tensor, targets: Tensor, has: Tensor, form: str = "sample") -> Tensor:
@@ -99,11 +100,15 @@ class FedProto(Algorithm):
     heterogeneous_models: ClassVar[bool] = True  # only prototypes are shared (Algorithm 1)
 
     class Params(HyperParams):
-        lam: float = Field(
+        lam: float = tunable(
             1.0,
+            low=0.01,
+            high=4.0,
+            log=True,
             ge=0.0,
             description="λ, weight of the prototype regularizer (Eq. 7; source: paper Appendix A, "
-            "Experimental Details: 1 on MNIST and FEMNIST, 0.1 on CIFAR-10)",
+            "Experimental Details: 1 on MNIST and FEMNIST, 0.1 on CIFAR-10; search: Fig. 4 sweeps λ over "
+            "[0, 4], log from 0.01 here; λ = 0 is Local)",
         )
         aggregation: Literal["weighted", "mean"] = Field(
             "weighted",

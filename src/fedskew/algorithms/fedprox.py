@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.algorithms.base import (
@@ -19,6 +18,7 @@ from fedskew.algorithms.base import (
     HyperParams,
     LocalStep,
 )
+from fedskew.search_space import tunable
 
 
 def proximal_term(model: nn.Module, anchor: Mapping[str, Tensor]) -> Tensor:
@@ -35,11 +35,15 @@ class FedProx(Algorithm):
     partial_work = True  # Li et al. 2020 §3: variable local work per device, γ-inexact solutions (Def. 2)
 
     class Params(HyperParams):
-        mu: float = Field(
+        mu: float = tunable(
             0.01,
+            low=1e-3,
+            high=1.0,
+            log=True,
             ge=0.0,
             description="proximal weight μ (source: Li et al. 2020 Eq. 2, tuned over {0.001, 0.01, 0.1, 1}; "
-            "0.01 as in FedEnt §6.1.3; MP-FedCL and FedSKC give no μ and use it too)",
+            "0.01 as in FedEnt §6.1.3; MP-FedCL and FedSKC give no μ and use it too; search: that grid's "
+            "range, log)",
         )
 
     p: Params

@@ -71,6 +71,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.models.base import FedModel
 from fedskew.models.zoo import ResNet
+from fedskew.search_space import tunable
 
 DIAG_KEYS = ("rcl_scl", "rcl_penalty", "rcl_active_pairs", "rcl_pos_sim")
 
@@ -211,11 +212,14 @@ class FedRCL(Algorithm):
     vectorizable = False
 
     class Params(HyperParams):
-        beta: float = Field(
+        beta: float = tunable(
             1.0,
+            low=0.1,
+            high=10.0,
+            log=True,
             ge=0.0,
             description="β, weight of the (multi-level) L_RCL term (source: authors' "
-            "fedrcl.yaml, rcl_loss weights 1)",
+            "fedrcl.yaml, rcl_loss weights 1; search: fedskew, [0.1, 10] log)",
         )
         tau: float = Field(
             0.05, gt=0.0, description="temperature τ (source: authors' fedrcl.yaml, temp 0.05)"

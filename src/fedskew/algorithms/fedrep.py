@@ -20,6 +20,7 @@ from fedskew.algorithms.base import (
     Phase,
 )
 from fedskew.algorithms.fedper import FedPer
+from fedskew.search_space import tunable
 
 
 @ALGORITHMS.register("fedrep")
@@ -27,7 +28,14 @@ class FedRep(FedPer):
     """FedRep (Collins et al. 2021): personal head trained first on a frozen shared body, then the body."""
 
     class Params(FedPer.Params):
-        head_epochs: int = Field(10, ge=0, description="local epochs on the head, body frozen (§5: 10)")
+        head_epochs: int = tunable(
+            10,
+            low=1,
+            high=20,
+            integer=True,
+            ge=0,
+            description="local epochs on the head, body frozen (§5: 10; search: fedskew, [1, 20])",
+        )
         body_epochs: int | None = Field(
             None, ge=0, description="local epochs on the body, head frozen (§5: 1; None: client.epochs)"
         )

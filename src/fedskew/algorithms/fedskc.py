@@ -72,6 +72,7 @@ from fedskew.algorithms.base import (
 from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import class_means, pack
 from fedskew.models.base import embed_in_chunks
+from fedskew.search_space import tunable
 
 _EPS = 1e-8
 
@@ -201,8 +202,24 @@ class FedSKC(Algorithm):
     vectorizable = False
 
     class Params(HyperParams):
-        m: int = Field(1, ge=0, description="M, nearest clients merged in Eq. (1) (source: §IV-A, M=1)")
-        tau: float = Field(0.08, gt=0.0, description="LCL temperature τ, Eq. (3) (source: §IV-A, τ=0.08)")
+        m: int = tunable(
+            1,
+            low=0,
+            high=3,
+            integer=True,
+            ge=0,
+            description="M, nearest clients merged in Eq. (1) (source: §IV-A, M=1; search: Fig. 3(b) varies "
+            "M, 0 no merging; [0, 3] fedskew's bound)",
+        )
+        tau: float = tunable(
+            0.08,
+            low=0.02,
+            high=0.2,
+            log=True,
+            gt=0.0,
+            description="LCL temperature τ, Eq. (3) (source: §IV-A, τ=0.08; search: Fig. 3(a) varies τ, "
+            "0.01 diverges, flat on [0.07, 0.11]; [0.02, 0.2] log fedskew's bounds)",
+        )
         beta: float = Field(
             0.95, ge=0.0, le=1.0, description="GPR momentum β, Eq. (5) (source: §III-B/§IV-A, β=0.95)"
         )

@@ -55,6 +55,7 @@ from fedskew.algorithms.base import (
     weighted_average,
 )
 from fedskew.errors import ConfigError
+from fedskew.search_space import tunable
 
 SEED_KEY = 0x5E5E  # the server's draws of the models that seed the centers
 
@@ -83,8 +84,14 @@ class FeSEM(Algorithm):
     requires_personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        clusters: int = Field(
-            3, ge=1, description="K, number of centers (the paper varies it, §5; no single value: a choice)"
+        clusters: int = tunable(
+            3,
+            low=2,
+            high=5,
+            integer=True,
+            ge=1,
+            description="K, number of centers (the paper varies it, §5; no single value: a choice; search: "
+            "fedskew, [2, 5])",
         )
         center_weights: Literal["uniform", "samples"] = Field(
             "uniform",

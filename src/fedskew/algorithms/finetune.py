@@ -28,11 +28,13 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedskew.algorithms.base import Algorithm, HyperParams
+from fedskew.algorithms.base import Algorithm, Context, HyperParams
 from fedskew.algorithms.batching import epoch_batches
 from fedskew.algorithms.helpers import train_mode
 from fedskew.algorithms.steps import ClientView
+from fedskew.algorithms.work import Work, epochs_work
 from fedskew.errors import ConfigError
+from fedskew.search_space import tunable
 from fedskew.update_rules import SGD
 
 
@@ -98,17 +100,23 @@ def head_filter(model: nn.Module, algorithm: str) -> tuple[str, ...]:
 class FineTuneParams(HyperParams):
     """The fine-tuning settings FedAvg-FT and FedBABU share."""
 
-    finetune_epochs: int = Field(
+    finetune_epochs: int = tunable(
         5,
+        low=1,
+        high=10,
+        integer=True,
         ge=0,
         description="τ_f, local fine-tuning epochs before evaluation (source: FedBABU's τ_f; its code's "
-        "--ft_ep default 5, applied to FedAvg and FedBABU alike)",
+        "--ft_ep default 5, applied to FedAvg and FedBABU alike; search: fedskew, [1, 10])",
     )
-    finetune_lr: float | None = Field(
+    finetune_lr: float | None = tunable(
         None,
+        low=1e-3,
+        high=0.5,
+        log=True,
         gt=0.0,
         description="fine-tuning learning rate (None: the rate the client trains with this round, "
-        "client.lr x lr_decay^(t-1))",
+        "client.lr x lr_decay^(t-1); search: client.lr's range)",
     )
     finetune: Literal["full", "head"] = Field(
         "full",
@@ -139,3 +147,24 @@ def finetune_plan(alg: Algorithm, p: FineTuneParams, round_idx: int, model: nn.M
         weight_decay=cfg.weight_decay,
         trainable=None if heads is None else heads.__contains__,
     )
+
+
+class FineTuneWork:
+    """The fine-tuning's work (:mod:`fedskew.algorithms.work`) of FedAvg-FT and FedBABU: ``τ_f`` epochs of the
+    client's training data in ``client.batch_size`` batches (:func:`finetune`'s batching is the engine's), at
+    each evaluation (``fresh``, :meth:`Algorithm.adapt_for_eval`) or in the client's round (``stale``,
+    ``finish_local``)."""
+
+    p: FineTuneParams
+    ctx: Context
+
+    def _finetune_work(self, num_samples: int) -> Work:
+        return epochs_work(self.p.finetune_epochs, num_samples, self.ctx.client.batch_size)
+
+    def eval_work(self, num_samples: int) -> Work:
+        return Work() if self.p.eval_finetune == "stale" else self._finetune_work(num_samples)
+
+    def extra_work(self, num_samples: int, local: Work) -> Mapping[str, Work]:
+        if self.p.eval_finetune == "fresh":
+            return {}
+        return {"stale_finetune": self._finetune_work(num_samples)}

@@ -58,6 +58,7 @@ from fedskew.algorithms.base import (
 from fedskew.algorithms.layouts import UploadLayout, class_rows, specs_of
 from fedskew.algorithms.protos import class_sums, kmeans, nearest_prototype_scores
 from fedskew.models.base import FedModel, embed_in_chunks
+from fedskew.search_space import tunable
 
 CLUSTER_KEY = 0x4D50  # seed stream of the client-side clustering ("MP")
 
@@ -185,11 +186,14 @@ class MPFedCL(Algorithm):
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        k: int = Field(
+        k: int = tunable(
             2,
+            low=2,
+            high=4,
+            integer=True,
             ge=1,
             description="K, prototypes per class and client (source: paper §V-C, Fig. 5: MNIST 2, "
-            "Digit-5/Office 4, DomainNet 3)",
+            "Digit-5/Office 4, DomainNet 3; search: §V-C's K ∈ {2, 3, 4})",
         )
         clustering: Literal["kmeans", "mean", "dbscan"] = Field(
             "kmeans", description="Eq. 7 k-means; mean (SP-FedCL, §V); DBSCAN (DP-FedCL, §V)"
@@ -410,6 +414,9 @@ class DPFedCL(MPFedCL):
     loss")."""
 
     class Params(MPFedCL.Params):
+        k: int = Field(
+            2, ge=1, description="least pad width K of the pool; DBSCAN sets the counts (not searched)"
+        )
         clustering: Literal["dbscan"] = Field("dbscan", description="DBSCAN per class (paper §V)")
         loss_form: Literal["slice", "pooled"] = Field(
             "pooled",

@@ -14,16 +14,28 @@ Per-FedAvg (HF) replaces the Hessian-vector product by the difference of gradien
 In the engine, one mini-batch is one local step: ``local_loss`` cuts it in two (FO) or three (HF) parts D,
 D', D'' (the batch is a random draw, so the parts are independent batches of B/2 or B/3 samples; a batch
 too small to cut is used whole for each part), computes the meta-gradient g with ``torch.func`` on copies,
-and returns the surrogate ⟨g, w⟩ (plus the detached f̃_i(w̃; D')), so that the engine's SGD step at
-β = ``client.lr`` is line 8 exactly. ``variant: hf`` computes the Hessian-vector product exactly
-(forward-over-reverse, ``hvp: exact``, the quantity Algorithm 1 states) or by the paper's finite difference
+and returns the surrogate ⟨g, w⟩ (plus the detached f̃_i(w̃; D')), so that the engine's SGD step is line 8
+exactly: the local phase runs at the learning rate β (``beta``), times the round's ``lr_decay`` /
+``lr_schedule`` factor. ``variant: hf`` computes the Hessian-vector product exactly (forward-over-reverse,
+``hvp: exact``, the quantity Algorithm 1 states) or by the paper's finite difference
 (``hvp: finite_difference`` with δ).
+
+Step sizes (docs/decisions.md, "Issue 52: Per-FedAvg's step sizes"): α, the inner and test-time step, is the
+client's learning rate ``client.lr`` unless ``alpha`` is set, as in every implementation read (PFLlib
+``clientperavg.py``: the inner and test-time steps at the client's ``learning_rate``; FL-bench
+``src/client/perfedavg.py``: the inner step at ``optimizer.lr``; the pFedMe authors' Per-FedAvg, whose README
+runs ``--learning_rate 0.005 --beta 0.001``). β, the outer (meta) step, is ``beta``, by default also
+``client.lr`` (PFLlib's ``self.beta = self.learning_rate``); FL-bench's 1e-3 and the pFedMe authors' 0.001
+(``beta: 0.001``) leave w untrained in a few dozen rounds. fedskew had α = 0.001 and β = ``client.lr``
+before issue 52: ``{alpha: 0.001, beta: null}``. α is searched as ``client.lr`` (its search space), β by its
+own.
 
 Personalized model (§5: "one step of local stochastic gradient descent" at test time): the personalized
 protocol evaluates each client with w − α ∇f̃_i(w; D), the model being evaluated w after one step on a
 mini-batch D of the client's training data (:meth:`PerFedAvg.adapt_for_eval`; nothing kept); a client
 without training data is evaluated with w. ``adapt: full`` takes the gradient over all its training data.
-``eval_adapt: stale`` keeps the former procedure: the client computes d_i = −α ∇f̃_i(w_k; D) at the model
+``eval_adapt: none`` scores w itself (what the α-step buys, as an ablation). ``eval_adapt: stale`` keeps the
+former procedure: the client computes d_i = −α ∇f̃_i(w_k; D) at the model
 w_k it received in its round, keeps it in its state, and is evaluated with w + d_i (the gradient one
 participation old).
 """
@@ -47,15 +59,19 @@ from fedskew.algorithms.base import (
     ClientView,
     HyperParams,
     LocalOutput,
+    LocalPlan,
     LocalResult,
     LocalStep,
     Payload,
+    Phase,
     State,
     count_weights,
     model_arrays,
     uniform_weights,
 )
 from fedskew.algorithms.scaffold import full_gradient
+from fedskew.algorithms.work import Work
+from fedskew.search_space import tunable
 
 Weights = dict[str, Tensor]
 _ADAPT_KEY = 0xADA7  # the generator stream of the test-time adaptation batch
@@ -109,10 +125,22 @@ class PerFedAvg(Algorithm):
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        alpha: float = Field(
-            1e-3,
+        alpha: float | None = Field(
+            None,
             gt=0.0,
-            description="personalization step α (Eq. 3; source: Fallah et al. 2020 §5, α = 0.001)",
+            description="inner and test-time step α (Eq. 3); null: client.lr, searched as client.lr (source: "
+            "PFLlib clientperavg.py, FL-bench perfedavg.py, the pFedMe authors' Per-FedAvg: the client's "
+            "learning rate)",
+        )
+        beta: float | None = tunable(
+            None,
+            low=1e-4,
+            high=0.5,
+            log=True,
+            gt=0.0,
+            description="outer (meta) step β of Alg. 1 line 8, the local phase's learning rate; null: "
+            "client.lr (source: PFLlib clientperavg.py beta = learning_rate; FL-bench perfedavg and the "
+            "pFedMe authors' README use 0.001, which leaves w untrained in a few dozen rounds)",
         )
         variant: Literal["hf", "fo"] = Field(
             "hf",
@@ -135,14 +163,24 @@ class PerFedAvg(Algorithm):
             description="test-time step: one mini-batch of client.batch_size (§5, one stochastic gradient "
             "step) or the client's whole training set",
         )
-        eval_adapt: Literal["fresh", "stale"] = Field(
+        eval_adapt: Literal["fresh", "stale", "none"] = Field(
             "fresh",
             description="fresh: the test-time step is taken at evaluation from the model being evaluated "
             "(§5); stale: in the client's round at the model it received, added to the current model later "
-            "(fedskew before contract v4)",
+            "(fedskew before contract v4); none: w itself is scored (an ablation)",
         )
 
     p: Params
+
+    @property
+    def alpha(self) -> float:
+        """α: ``alpha``, or the client's learning rate."""
+        return self.ctx.client.lr if self.p.alpha is None else self.p.alpha
+
+    def start_local(self, step: LocalStep) -> LocalPlan:
+        """The local phase at β, the outer step (the engine's SGD step on the surrogate is line 8)."""
+        beta = self.ctx.client.lr if self.p.beta is None else self.p.beta
+        return LocalPlan([Phase(epochs=self.ctx.client.epochs, lr=beta)])
 
     def local_loss(self, step: LocalStep, batch: Batch) -> Tensor:
         """Surrogate ⟨g, w⟩ with g the meta-gradient; its value is f̃(w̃; D')."""
@@ -161,7 +199,7 @@ class PerFedAvg(Algorithm):
         hf = self.p.variant == "hf"
         parts = batch_parts(batch, 3 if hf else 2)
         hvp = self.p.hvp if hf else "none"
-        g, value = meta_gradient(loss, w, parts, self.p.alpha, hvp, self.p.delta, hessian_loss)
+        g, value = meta_gradient(loss, w, parts, self.alpha, hvp, self.p.delta, hessian_loss)
         terms = [(g[n].detach() * q).sum() for n, q in named.items()]
         surrogate = sum(terms[1:], terms[0])
         return surrogate - surrogate.detach() + value.detach()
@@ -176,11 +214,11 @@ class PerFedAvg(Algorithm):
         view = ClientView(client.cid, client.x[idx], client.y[idx], client.class_counts)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         g = full_gradient(step.model, weights, view, len(idx), seed)
-        return {n: -self.p.alpha * v for n, v in g.items()}
+        return {n: -self.alpha * v for n, v in g.items()}
 
     def adapt_for_eval(self, step: LocalStep) -> Mapping[str, Tensor] | None:
         """§5: w + d_i with d_i the test-time step at the model being evaluated w."""
-        if self.p.eval_adapt == "stale" or step.client.num_samples == 0:
+        if self.p.eval_adapt != "fresh" or step.client.num_samples == 0:
             return None
         w = step.model.state_dict()
         return {n: w[n] + d for n, d in self.test_step(step, w).items()}
@@ -200,6 +238,21 @@ class PerFedAvg(Algorithm):
         if state is None or "adapt" not in state:
             return weights
         return {**weights, **{n: weights[n] + d for n, d in state["adapt"].items()}}
+
+    def _test_step_work(self, num_samples: int) -> Work:
+        """One update (the α-step) on D: a batch of ``client.batch_size`` (``adapt: full``: every sample)."""
+        if num_samples == 0:
+            return Work()
+        batch = num_samples if self.p.adapt == "full" else min(num_samples, self.ctx.client.batch_size)
+        return Work(1, batch)
+
+    def eval_work(self, num_samples: int) -> Work:
+        """:mod:`fedskew.algorithms.work`: the test-time step at each evaluation (``eval_adapt: fresh``)."""
+        return self._test_step_work(num_samples) if self.p.eval_adapt == "fresh" else Work()
+
+    def extra_work(self, num_samples: int, local: Work) -> Mapping[str, Work]:
+        """:mod:`fedskew.algorithms.work`: ``eval_adapt: stale`` takes the test-time step in the round."""
+        return {"stale_test_step": self._test_step_work(num_samples)} if self.p.eval_adapt == "stale" else {}
 
     def mean_weights(self, counts: Sequence[int]) -> Tensor:
         return uniform_weights(counts) if self.p.weights == "uniform" else count_weights(counts)

@@ -53,6 +53,8 @@ from fedskew.algorithms.base import (
     model_arrays,
     uniform_weights,
 )
+from fedskew.algorithms.work import Work
+from fedskew.search_space import tunable
 
 #: scratch prefix of the inner solver's iterate θ (one tensor per parameter)
 THETA = "theta."
@@ -90,15 +92,33 @@ class PFedMe(Algorithm):
     personalized_eval: ClassVar[bool] = True
 
     class Params(HyperParams):
-        lam: float = Field(
-            15.0, gt=0.0, description="λ of the Moreau envelope (source: Dinh et al. 2020 §5: 15 on MNIST)"
+        lam: float = tunable(
+            15.0,
+            low=1.0,
+            high=50.0,
+            log=True,
+            gt=0.0,
+            description="λ of the Moreau envelope (source: Dinh et al. 2020 §5: 15 on MNIST; search: "
+            "fedskew, [1, 50] log)",
         )
-        K: int = Field(5, ge=1, description="inner gradient steps per batch (source: Dinh et al. 2020 §5: 5)")
-        personal_lr: float = Field(
+        K: int = tunable(
+            5,
+            low=1,
+            high=10,
+            integer=True,
+            ge=1,
+            description="inner gradient steps per batch (source: Dinh et al. 2020 §5: 5; search: fedskew, "
+            "[1, 10])",
+        )
+        personal_lr: float = tunable(
             0.1,
+            low=0.01,
+            high=0.5,
+            log=True,
             gt=0.0,
             description="learning rate of the inner solver (source: Dinh et al. 2020 §5 on MNIST; the "
-            "authors' result file `Mnist_pFedMe_0.005_1_15_5u_20b_20_5_0.1_avg.h5`)",
+            "authors' result file `Mnist_pFedMe_0.005_1_15_5u_20b_20_5_0.1_avg.h5`; search: fedskew, "
+            "[0.01, 0.5] log)",
         )
         beta: float = Field(
             1.0, gt=0.0, description="server mixing β (source: Dinh et al. 2020 Alg. 1 line 10 and §5, β = 1)"
@@ -159,6 +179,10 @@ class PFedMe(Algorithm):
         if state is None or "personal" not in state:
             return payload.model_state()
         return {**payload.model_state(), **state["personal"]}
+
+    def extra_work(self, num_samples: int, local: Work) -> Mapping[str, Work]:
+        """:mod:`fedskew.algorithms.work`: the inner solver's K updates of θ on each batch of the loop."""
+        return {"inner_steps": local.times(self.p.K)}
 
     # ---------------------------------------------------------------- server
     def mean_weights(self, counts: Sequence[int]) -> Tensor:

@@ -47,6 +47,7 @@ from fedskew.algorithms.base import (
 )
 from fedskew.algorithms.helpers import eval_mode
 from fedskew.algorithms.layouts import ArraySpec, UploadLayout, template
+from fedskew.search_space import tunable
 
 #: upload prefix of Δ_k (one array per trainable parameter)
 DELTA_PREFIX = "delta."
@@ -76,11 +77,15 @@ class QFedAvg(Algorithm):
     mean_aggregation = False  # q-weighted Lipschitz steps
 
     class Params(HyperParams):
-        q: float = Field(
+        q: float = tunable(
             1.0,
+            low=1e-3,
+            high=5.0,
+            log=True,
             ge=0.0,
             description="fairness exponent q; 0 gives FedAvg with uniform weights (source: Li et al. 2020 "
-            "§5 tune q per dataset: q = 1 on Synthetic and Sent140, 5 on Vehicle, 0.001 on Shakespeare)",
+            "§5 tune q per dataset: q = 1 on Synthetic and Sent140, 5 on Vehicle, 0.001 on Shakespeare; "
+            "search: the range of those values, log)",
         )
         loss_offset: float = Field(
             0.0,

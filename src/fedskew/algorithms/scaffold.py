@@ -9,6 +9,12 @@ performs exactly that step. Then (option II)
 
 and the server updates ``x ← x + η_g (1/|S|) Σ Δy_i`` and ``c ← c + (|S|/N) (1/|S|) Σ Δc_i``.
 
+K is FedNova's ‖a‖₁ under the client's momentum ρ by default (``control_steps: effective``; the local
+steps taken without momentum, bit for bit the paper's K): option II assumes plain SGD, and under momentum
+the paper's K overestimates c_i about 1/(1 − ρ) times, which the momentum then amplifies (at ρ = 0.9
+training diverges). ``control_steps: local`` keeps the paper's literal K (docs/methods/personalized.md,
+"SCAFFOLD with momentum").
+
 Option I (``control_update: I``, line 12) sets ``c_i⁺ = g_i(x)``: the gradient of the client's loss at the
 server model x, from an additional pass over its training data (the mean cross-entropy over all its samples,
 in batches of ``client.batch_size``, plus ``weight_decay · x``: the gradient the local SGD steps use, which
@@ -19,7 +25,7 @@ client); a client without training data keeps its c_i.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -53,6 +59,12 @@ CONTROL_PREFIX = "control."
 #: scratch prefix of the per-parameter correction ``c − c_i``
 CORRECTION_PREFIX = "correction."
 _GRADIENT_KEY = 0x5CA1  # the generator stream seeding dropout in option I's gradient pass
+#: K of option II's (x − y_i)/(Kη_l) by ``control_steps``, from (local steps taken, client momentum ρ):
+#: FedNova's ‖a‖₁ (exactly the steps taken when ρ = 0), or the steps taken whatever ρ (the paper's K)
+STEP_COUNTS: dict[str, Callable[[int, float], float]] = {
+    "effective": normalizer,
+    "local": lambda steps, momentum: float(steps),
+}
 
 
 def full_gradient(
@@ -92,12 +104,14 @@ class Scaffold(Algorithm):
             "'II' c_i − c + (x − y_i)/(Kη_l), the cheaper one; 'I' g_i(x), the client's full-data gradient "
             "at x (one extra pass over its data)",
         )
-        control_steps: Literal["local", "effective"] = Field(
-            "local",
-            description="K in option II's (x − y_i)/(Kη_l): 'local' the local steps taken (the paper, plain "
-            "SGD); 'effective' FedNova's ‖a‖₁ = Σ_k (1 − ρ^(K−k))/(1 − ρ) under the client's momentum ρ, so "
-            "that c_i estimates the client gradient and not 1/(1 − ρ) times it (docs/decisions.md, "
-            "'SCAFFOLD with momentum'); equal without momentum",
+        control_steps: Literal["effective", "local"] = Field(
+            "effective",
+            description="K in option II's (x − y_i)/(Kη_l): 'effective' (default) FedNova's ‖a‖₁ = "
+            "Σ_k (1 − ρ^(K−k))/(1 − ρ) under the client's momentum ρ, so that c_i estimates the client "
+            "gradient and not 1/(1 − ρ) times it (the displacement NIID-Bench's experiments.py reaches by "
+            "correcting outside the momentum); 'local' the local steps taken (the paper's plain-SGD K, "
+            "which diverges under momentum 0.9); equal without momentum (docs/methods/personalized.md, "
+            "'SCAFFOLD with momentum')",
         )
 
     p: Params
@@ -133,10 +147,8 @@ class Scaffold(Algorithm):
         if self.p.control_update == "I":
             c_new = self._gradient_at_server(step) if step.client.num_samples > 0 else dict(c_old)
         elif result.steps > 0:
-            steps = float(result.steps)  # K, the local steps actually taken
-            if self.p.control_steps == "effective":  # heavy-ball momentum moves y by η‖a‖₁ per unit gradient
-                steps = normalizer(result.steps, self.ctx.client.momentum)
-            denom = steps * result.lr
+            # K from the local steps actually taken (heavy-ball momentum moves y by η‖a‖₁ per unit gradient)
+            denom = STEP_COUNTS[self.p.control_steps](result.steps, self.ctx.client.momentum) * result.lr
             c_new = {n: ci - c[n] + (x[n] - y[n].detach()) / denom for n, ci in c_old.items()}
         else:  # no step taken: x − y_i = 0 and K = 0, keep c_i
             c_new = dict(c_old)

@@ -63,6 +63,12 @@ class ClientView:
     def num_samples(self) -> int:
         return int(self.y.shape[0])
 
+    def subset(self, idx: Tensor) -> ClientView:
+        """The client's samples ``idx`` (1-d integer indices into its samples), with their class counts."""
+        y = self.y[idx]
+        counts = torch.bincount(y.long(), minlength=self.class_counts.numel()).to(self.class_counts)
+        return ClientView(self.cid, self.x[idx], y, counts)
+
 
 @dataclass
 class Batch:
@@ -93,11 +99,18 @@ class LocalPlan:
     ``init_scratch`` (a subset of the model state's keys; the engine copies them in and keeps no reference):
     the weights local training starts from when they depend on the client's data, which
     :meth:`Algorithm.model_weights` cannot see (FedALA's adaptive local aggregation, FedFomo's first-order
-    combination of downloaded models). ``None``: training starts from ``model_weights``."""
+    combination of downloaded models). ``None``: training starts from ``model_weights``.
+
+    ``train_indices``: the client's samples local training uses (1-d distinct integer indices into
+    ``step.client``), when a method holds some out of training (FedFomo's validation split, scored in
+    ``start_local``, disjoint from what the client trains on). From ``init_scratch`` on, ``step.client`` is
+    that subset; the upload's sample count stays the client's full count (the count the server plans with).
+    ``None``: training uses every sample."""
 
     phases: list[Phase]
     derived: Mapping[str, Any] = field(default_factory=dict)
     start_weights: Mapping[str, Tensor] | None = None
+    train_indices: Tensor | None = None
 
 
 @dataclass
@@ -107,6 +120,7 @@ class LocalResult:
     steps: int
     loss: float  # mean training loss of the last epoch (nan: the client had no batch)
     lr: float  # learning rate of the last phase
+    samples: int = 0  # the samples of those steps' mini-batches (forward-backward passes)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """``fedskew`` command line: run, flower-app, sweep, list, report, demo, data show, features,
-cachefl-search, cachefl-posthoc, init, runs (and ``--version``, shell completion).
+cachefl-search, cachefl-posthoc, init, runs, tune (and ``--version``, shell completion).
 
 Bad input exits with code 2 and one line naming the problem and the allowed values.
 """
@@ -11,7 +11,7 @@ import sys
 import typer
 
 # each module registers its commands (help lists them in import order)
-from fedskew.cli import inspect, project, run, sweep, tools  # noqa: F401
+from fedskew.cli import inspect, project, run, sweep, tools, tune  # noqa: F401
 from fedskew.cli.common import app, configure_logging, one_line
 from fedskew.errors import FedskewError, RunFailure
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
 from fedskew.cli.common import app, console, data_app, registries
 from fedskew.errors import FedskewError, did_you_mean
+from fedskew.search_space import search_spaces
+
+#: ``list --params``'s columns, in order (also the keys of each ``--json`` row)
+PARAM_COLUMNS = ("name", "type", "default", "search", "description")
 
 #: ``data show``'s heatmap file name; by default in ``runs/``, beside the folder ``fedskew run`` gives the
 #: config's run (``runs/<stem>``; runs/ is git-ignored, a config folder is not)
@@ -36,8 +42,26 @@ def list_(
     ),
     plain: bool = typer.Option(False, "--plain", help="KIND<TAB>NAME<TAB>DOC, one per line, never wrapped"),
     as_json: bool = typer.Option(False, "--json", help="{kind: {name: doc}} as JSON"),
+    params: str | None = typer.Option(
+        None,
+        "--params",
+        metavar="NAME",
+        help="the hyper-parameters of algorithm NAME, client.lr first: type, default, declared search "
+        "space (what `fedskew tune` searches) and description",
+    ),
+    plugin: list[str] = typer.Option(
+        [], "--plugin", help="also load this plugin first: a .py file or a module name (repeatable)"
+    ),
 ) -> None:
-    """List algorithms, models, datasets, partition schemes, backbones and generators, one line each."""
+    """List algorithms, models, datasets, partition schemes, backbones and generators, one line each; with
+    --params NAME, one algorithm's hyper-parameters and their search spaces."""
+    if plugin:
+        from fedskew.plugins import load_plugins, resolve_plugins
+
+        load_plugins(resolve_plugins(list(plugin), None))
+    if params is not None:
+        _list_params(params, kind, plain, as_json)
+        return
     chosen = _chosen(kind)
     if as_json:
         typer.echo(json.dumps({title: dict(items) for title, items in chosen.items()}, indent=2))
@@ -55,6 +79,62 @@ def list_(
             table.add_row(name, doc)
         console.print(table)
         console.print()
+
+
+def _type_text(annotation: Any) -> str:
+    """``float``, ``int | None``, ``Literal['a', 'b']``: the annotation as a reader writes it."""
+    name = getattr(annotation, "__name__", None)
+    return name if isinstance(annotation, type) and name else str(annotation).replace("typing.", "")
+
+
+def param_rows(model: type[BaseModel], prefix: str = "") -> list[dict[str, Any]]:
+    """One row per field of ``model`` (see :data:`PARAM_COLUMNS`); ``search`` is the declared space
+    (:func:`fedskew.search_space.search_spaces`) or None."""
+    spaces = search_spaces(model)
+    rows = []
+    for name, info in model.model_fields.items():
+        space = spaces.get(name)
+        default = "required" if info.is_required() else info.default
+        row = {"name": prefix + name, "type": _type_text(info.annotation), "default": default}
+        rows.append(row | {"search": space, "description": info.description or ""})
+    return rows
+
+
+def _list_params(name: str, kind: str | None, plain: bool, as_json: bool) -> None:
+    """``list --params NAME``: ``client.lr`` (every method's searched lr), then NAME's ``Params``."""
+    from fedskew.settings import ClientSection
+
+    algorithms = registries()["algorithms"]
+    if kind not in (None, "algorithms"):
+        raise FedskewError(f"fedskew list --params: takes an algorithm name, not a {kind!r} kind; drop KIND")
+    if name not in algorithms:
+        raise FedskewError(
+            f"fedskew list --params {name}: unknown algorithm{did_you_mean(name, algorithms)}; allowed: "
+            f"{', '.join(algorithms.names())}"
+        )
+    lr = [row for row in param_rows(ClientSection, "client.") if row["name"] == "client.lr"]
+    rows = lr + param_rows(algorithms.get(name).Params, "algorithm.")
+    if as_json:
+        out = [row | {"search": None if row["search"] is None else row["search"].as_dict()} for row in rows]
+        typer.echo(json.dumps({"algorithm": name, "params": out}, indent=2, default=str))
+        return
+    cells = [[str(row[c]) if c != "search" else _space_text(row[c]) for c in PARAM_COLUMNS] for row in rows]
+    if plain:
+        for line in cells:
+            typer.echo("\t".join(line))
+        return
+    table = Table(
+        title=f"{name}: hyper-parameters (search: what `fedskew tune` searches)", title_justify="left"
+    )
+    for column in PARAM_COLUMNS:  # every column but the description stays on one line
+        table.add_column(column, no_wrap=column != "description", overflow="fold")
+    for line in cells:
+        table.add_row(*line)
+    console.print(table)
+
+
+def _space_text(space: Any) -> str:
+    return "—" if space is None else str(space.text())
 
 
 def _report_paths(dirs: list[Path], out: Path | None, plot: Path | None) -> Path:

@@ -132,7 +132,7 @@ def outcome_to_plain(o: ClientOutcome) -> dict[str, Any]:
         upload = {"num_samples": up.num_samples, "arrays": tree_to(p.arrays, "cpu"), "config": dict(p.config),
                   "metrics": dict(p.metrics)}  # fmt: skip
     scalars = {k: getattr(o, k) for k in ("cid", "bytes_down", "params_down", "loss", "dropped", "bytes_up",
-                                          "params_up", "steps")}  # fmt: skip
+                                          "params_up", "steps", "passes")}  # fmt: skip
     return {**scalars, "state": o.state, "upload": upload}
 
 
@@ -145,7 +145,7 @@ def outcome_from_plain(d: dict[str, Any], device: torch.device) -> ClientOutcome
     return ClientOutcome(
         cid=int(d["cid"]), bytes_down=int(d["bytes_down"]), params_down=int(d["params_down"]), upload=upload,
         state=d["state"], loss=float(d["loss"]), dropped=bool(d["dropped"]), bytes_up=int(d["bytes_up"]),
-        params_up=int(d["params_up"]), steps=int(d["steps"]),
+        params_up=int(d["params_up"]), steps=int(d["steps"]), passes=int(d.get("passes", 0)),
     )  # fmt: skip
 
 
@@ -305,11 +305,11 @@ class AsynchronousSimulation(Simulation):
             record.update({} if update is None else update.metrics)
             record.update(self.update_record(g, buffer))
             record = self.algorithm.released(record)
-        t3 = time.perf_counter()
+        work, t3 = self.work(outcomes, record is not None), time.perf_counter()  # the landed clients' work
         check_no_state_on_self(self.algorithm, self.allowed_attributes)
         # commit (the store first: nothing else has changed if it raises)
         self.states.commit(u, states)
-        self.server, self.round = self.tables.commit(u, server), u
+        self.server, self.round, self.compute = self.tables.commit(u, server), u, self.compute.plus(work)
         self.now, self.flights = g.now, g.flights
         if not buffer:
             self.skipped.append(u)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from fedskew.algorithms.base import (
     Algorithm,
     Batch,
+    ClientView,
     ContractError,
     LocalResult,
     LocalStep,
@@ -62,6 +63,7 @@ class PreparedClient:
     generator: torch.Generator
     seed: int
     lr_scale: float
+    num_samples: int  # the client's training samples, the count its upload reports (plan.train_indices aside)
 
     @property
     def cid(self) -> int:
@@ -80,7 +82,8 @@ def prepare_client(
     rt: ClientRuntime, model: nn.Module, cid: int, round_idx: int, payload: Payload, state: State
 ) -> PreparedClient:
     """Seed the client's streams, load its weights into ``model``, run ``start_local``, load the plan's
-    ``start_weights`` (if any) and run ``init_scratch``. ``state`` is on the training device."""
+    ``start_weights`` (if any), keep the plan's ``train_indices`` of the client's samples (if any) and run
+    ``init_scratch``. ``state`` is on the training device."""
     alg = rt.algorithm
     info = RoundInfo(round=round_idx, cid=cid, seed=rt.seed)
     seed = derive_seed(rt.seed, round_idx, cid)
@@ -90,11 +93,26 @@ def prepare_client(
     plan = alg.start_local(step)
     if plan.start_weights is not None:  # a data-dependent start (FedALA, FedFomo): the same model object
         load_start_weights(model, plan.start_weights, alg.name)
+    n = step.client.num_samples
+    if plan.train_indices is not None:  # samples held out of training (FedFomo's validation split)
+        step = step.replace(client=training_subset(step.client, plan.train_indices, alg.name))
     step = step.replace(derived=plan.derived)
     step = step.replace(scratch=Scratch(alg.init_scratch(step)))
     gen = torch.Generator().manual_seed(seed)
     scale = rt.client.round_lr_scale(round_idx, rt.rounds)  # lr_decay x the lr_schedule's shape
-    return PreparedClient(step, plan.phases, gen, seed, scale)
+    return PreparedClient(step, plan.phases, gen, seed, scale, n)
+
+
+def training_subset(client: ClientView, idx: Tensor, algorithm: str) -> ClientView:
+    """The samples ``idx`` of ``client`` that a plan trains on; indices that are not distinct 1-d integers
+    within the client's samples break the contract."""
+    n = client.num_samples
+    ok = idx.dim() == 1 and not idx.is_floating_point() and not idx.is_complex() and idx.dtype != torch.bool
+    if not ok or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+        raise ContractError(f"{algorithm}.start_local returned train_indices that are not sample indices")
+    if torch.unique(idx).numel() != idx.numel():
+        raise ContractError(f"{algorithm}.start_local returned repeated train_indices")
+    return client.subset(idx.to(client.y.device))
 
 
 def load_start_weights(model: nn.Module, weights: Mapping[str, Tensor], algorithm: str) -> None:
@@ -116,11 +134,11 @@ def finish_client(
     if check and not finite_upload(done.upload, client.info.round, client.cid):
         return out
     discloses = rt.algorithm.discloses_client_statistics  # local DP: no sample count, no loss leave
-    n = client.step.client.num_samples if discloses else 1
+    n = client.num_samples if discloses else 1
     out.accept(Upload(cid=client.cid, num_samples=n, payload=done.upload))
     out.state = tree_to(done.state, "cpu")
     out.loss = result.loss if discloses else math.nan
-    out.steps = result.steps
+    out.steps, out.passes = result.steps, result.samples
     return out
 
 
@@ -172,7 +190,7 @@ def run_phases(
     model.train()
     named = list(model.named_parameters())
     schedule = local_schedule(client.phases, cfg, client.lr_scale, [n for n, _ in named])
-    steps, last_loss = 0, float("nan")
+    steps, samples, last_loss = 0, 0, float("nan")
     opt: LocalOptimizer | None = None
     try:
         for spec in schedule:
@@ -190,7 +208,7 @@ def run_phases(
                 loss.backward()
                 opt.step()
                 totals.add(loss, idx.numel())
-                steps += 1
+                steps, samples = steps + 1, samples + idx.numel()
                 if steps == max_steps:
                     break
             last_loss = totals.means()[0]
@@ -202,4 +220,4 @@ def run_phases(
         for _, p in named:
             p.requires_grad_(True)
     lr = client.phases[-1].lr * client.lr_scale if client.phases else cfg.lr  # the last phase's
-    return LocalResult(steps=steps, loss=last_loss, lr=lr)
+    return LocalResult(steps=steps, loss=last_loss, lr=lr, samples=samples)

@@ -29,6 +29,7 @@ import torch
 from fedskew.algorithms.base import Algorithm, ContractError, MeanInfo, Payload, RoundInfo, State
 from fedskew.algorithms.steps import RoundSkipped
 from fedskew.engine.clock import RoundTiming, Selection, VirtualClock
+from fedskew.engine.compute import Compute, round_compute
 from fedskew.engine.evaluation import RoundEvaluator
 from fedskew.engine.executors import Executor
 from fedskew.engine.folding import FoldingExecutor, folds_uploads
@@ -70,6 +71,8 @@ class RoundPlan:
     on_client_error: str = "drop_non_finite"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     fold_uploads: bool = True  # engine.fold_uploads (fedskew.engine.folding)
+    #: the clients an evaluation adapts (:func:`fedskew.engine.compute.adapted_clients`): counted compute
+    eval_adapted: tuple[int, ...] = ()
 
     @property
     def rounds(self) -> int:
@@ -133,6 +136,7 @@ class Simulation:
         self.bytes_up = 0
         self.bytes_down = 0
         self.times = RoundTimes()
+        self.compute = Compute()  # the work spent (fedskew.engine.compute), committed with each round
 
     def client_state(self, cid: int) -> State:
         """The client's committed state (CPU); a client never trained gets its initial state."""
@@ -186,11 +190,11 @@ class Simulation:
             record.update({"skipped": True} if update is None else update.metrics)
             record.update(self.clock_record(selection, timing))
             record = self.algorithm.released(record)
-        t3 = time.perf_counter()
+        work, t3 = self.work(outcomes, record is not None), time.perf_counter()
         check_no_state_on_self(self.algorithm, self.allowed_attributes)
         # commit (the store first: nothing else has changed if it raises)
         self.states.commit(r, states)
-        self.server, self.round = self.tables.commit(r, server), r
+        self.server, self.round, self.compute = self.tables.commit(r, server), r, self.compute.plus(work)
         self.now += 0.0 if timing is None else timing.seconds
         if not uploads:
             self.skipped.append(r)
@@ -204,6 +208,10 @@ class Simulation:
             record.update(seconds=t3 - t0, seconds_train=t1 - t0, seconds_eval=t3 - t2)
             self.history.append(record)
         return RoundOutcome(r, record, [o.cid for o in outcomes if o.upload is None])
+
+    def work(self, outcomes: list[ClientOutcome], evaluated: bool) -> Compute:
+        """The round's compute (:func:`fedskew.engine.compute.round_compute`), committed with it."""
+        return round_compute(self.algorithm, outcomes, self.plan.eval_adapted, evaluated)
 
     def train(self, job: RoundJob) -> tuple[list[ClientOutcome], dict[str, torch.Tensor] | None]:
         """The executor's outcomes of ``job`` and, when it folded the uploads, their mean (a round in which
@@ -291,6 +299,7 @@ class Simulation:
             "bytes_down": self.bytes_down,
             "times": self.times.__dict__.copy(),
             "skipped": list(self.skipped),
+            "compute": self.compute.state_dict(),
             **({} if self.clock is None else {"virtual_time": self.now}),
         }
 
@@ -309,4 +318,5 @@ class Simulation:
         self.bytes_down = int(sd["bytes_down"])
         self.times = RoundTimes(**sd.get("times", {}))
         self.skipped = [int(r) for r in sd.get("skipped", [])]
+        self.compute = Compute.from_state(sd.get("compute"), self.round)
         self.now = float(sd.get("virtual_time", 0.0))

@@ -31,14 +31,20 @@ from fedskew.algorithms.layouts import ArraySpec, UploadLayout, expected_layout
 
 #: the lists a train reply's job record carries, one entry per accepted client
 REPLY_LISTS = ("accepted", "loss", "samples")
+#: lists a reply may carry besides (the clients' local steps and sample passes: the run's compute, a
+#: diagnostic the server cannot verify; absent: 0), one entry per accepted client where present
+WORK_LISTS = ("steps", "passes")
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """An entry that passed every check: the client's upload (with the count the server holds) and loss."""
+    """An entry that passed every check: the client's upload (with the count the server holds) and loss,
+    and the work its node reports (:data:`WORK_LISTS`)."""
 
     upload: Upload
     loss: float
+    steps: int = 0
+    passes: int = 0
 
 
 @dataclass
@@ -81,6 +87,12 @@ def reply_problem(requested: Sequence[int], job: Mapping[str, Any] | None) -> st
         return f"the reply's {bad[0]!r} is missing or not a list"
     if len({len(v) for v in lists.values() if isinstance(v, list)}) != 1:
         return "the reply's 'accepted', 'loss' and 'samples' differ in length"
+    for k in WORK_LISTS:
+        v = job.get(k)
+        if v is not None and not (isinstance(v, list) and len(v) == len(lists["accepted"] or [])):
+            return f"the reply's {k!r} is not a list of one entry per accepted client"
+        if v is not None and not all(is_int(n) and n >= 0 for n in v):
+            return f"the reply's {k!r} holds a value that is not a non-negative integer"
     seen: set[int] = set()
     for cid in lists["accepted"] or []:
         if not is_int(cid):
@@ -188,7 +200,9 @@ def check_reply(
         out.refused = dict.fromkeys(requested, problem or "")
         return out
     discloses = algorithm.discloses_client_statistics
-    for cid, loss, samples in zip(job["accepted"], job["loss"], job["samples"], strict=True):
+    n = len(job["accepted"])
+    steps, passes = (job.get(k) or [0] * n for k in WORK_LISTS)
+    for i, (cid, loss, samples) in enumerate(zip(job["accepted"], job["loss"], job["samples"], strict=True)):
         expected = expected_count(algorithm, cid)
         problem = entry_problem(loss, samples, expected, discloses)
         payload = _read(load, cid) if problem is None else problem
@@ -202,5 +216,5 @@ def check_reply(
             out.refused[cid] = problem
             continue
         value = float(loss) if discloses else math.nan
-        out.accepted.append(Accepted(Upload(cid, expected, payload), value))
+        out.accepted.append(Accepted(Upload(cid, expected, payload), value, steps[i], passes[i]))
     return out

@@ -30,6 +30,7 @@ class ClientOutcome:
     bytes_up: int = 0  # the accepted upload's traffic (kept when a folding executor drops its arrays)
     params_up: int = 0
     steps: int = 0  # local optimizer steps taken (the virtual clock's compute time)
+    passes: int = 0  # samples of those steps' mini-batches (summary.json's compute)
 
     def accept(self, upload: Upload) -> None:
         """Take ``upload`` as the client's accepted upload and count its traffic."""

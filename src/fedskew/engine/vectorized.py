@@ -183,6 +183,7 @@ class _Client:
     prep: PreparedClient
     schedule: list[EpochSpec]
     steps: int = 0
+    samples: int = 0
     loss: float = float("nan")
     finite: bool = True
     batches: list[Tensor] = field(default_factory=list)
@@ -327,6 +328,7 @@ class _Chunk:
         totals.add(losses, idx.shape[1], members)
         for k in members:
             self.clients[k].steps += 1
+            self.clients[k].samples += idx.shape[1]
 
     def _finish(self, k: int, c: _Client) -> ClientOutcome:
         prep = c.prep
@@ -338,7 +340,7 @@ class _Chunk:
         seed_torch(prep.seed, self.rt.device)  # the global stream as the client's own, after the batched loop
         prep.step = prep.step.replace(scratch=Scratch({n: v[k] for n, v in self.scratch.items()}))
         lr = prep.phases[-1].lr * prep.lr_scale if prep.phases else self.rt.client.lr
-        result = LocalResult(steps=c.steps, loss=c.loss, lr=lr)
+        result = LocalResult(steps=c.steps, loss=c.loss, lr=lr, samples=c.samples)
         return finish_client(self.rt, self.model, prep, result, check=not self.job.folded)
 
 

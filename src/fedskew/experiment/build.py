@@ -18,10 +18,12 @@ from fedskew.algorithms.security.config import SecurityPlan, security_plan
 from fedskew.algorithms.security.secured import secured
 from fedskew.data.base import DATASETS, resolve_root
 from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.merged import build_merged
 from fedskew.data.noise import with_feature_noise
 from fedskew.engine.assembly import ClientMeta, ModelSpec, client_data, construct_algorithm, initial_server
 from fedskew.engine.asynchronous import AsynchronousSimulation
 from fedskew.engine.clock import ClientSpeeds, VirtualClock, read_trace
+from fedskew.engine.compute import adapted_clients
 from fedskew.engine.device import resolve_device
 from fedskew.engine.evaluation import EVAL_BATCH, EVAL_BATCH_OTHER, EvalData, Evaluator, RoundEvaluator
 from fedskew.engine.loop import RoundPlan, Simulation
@@ -77,17 +79,24 @@ def build_data(cfg: Config) -> FederatedData:
         weights = Path(enc.weights) if Path(enc.weights).is_absolute() else Path(root) / enc.weights
         device = str(resolve_device(cfg.engine.device))  # the encoder runs where the clients train
         dataset = frozen_features(dataset, enc.name, weights, enc.options, enc.batch_size, device)
-    fed = build_federated(
-        dataset,
-        cfg.data.num_clients,
-        cfg.data.partition,
-        cfg.seed,
-        test=cfg.data.test or None,
-        val_fraction=cfg.data.val_fraction,
-        train_limit=cfg.data.train_limit,
-        shots=cfg.data.shots,
-        val_shots=cfg.data.val_shots,
-    )
+    split, d = cfg.data.split, cfg.data
+    if split is not None and split.merged:  # PFLlib: test sets cut from the clients' own samples
+        share = split.train_share
+        fed = build_merged(
+            dataset, d.num_clients, d.partition, cfg.seed, train_share=share, val_fraction=d.val_fraction
+        )
+    else:
+        fed = build_federated(
+            dataset,
+            d.num_clients,
+            d.partition,
+            cfg.seed,
+            test=d.test or None,
+            val_fraction=d.val_fraction,
+            train_limit=d.train_limit,
+            shots=d.shots,
+            val_shots=d.val_shots,
+        )
     fed = with_feature_noise(fed, cfg.data.feature_noise)
     vl = cfg.data.vision_language
     if vl is not None:
@@ -218,8 +227,9 @@ def central(
     return with_central(cfg, inner, algorithm, models, ds.class_names, ds.in_shape)
 
 
-def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
-    """The run's pre-drawn sampling stream, evaluation cadence and failure policy."""
+def round_plan(cfg: Config, num_clients: int, adapted: tuple[int, ...] = ()) -> RoundPlan:
+    """The run's pre-drawn sampling stream, evaluation cadence and failure policy; ``adapted``: the clients
+    an evaluation adapts (:func:`fedskew.engine.compute.adapted_clients`, counted in the run's compute)."""
     return RoundPlan(
         schedule=client_schedule(num_clients, cfg.client.fraction, cfg.rounds, cfg.seed, cfg.privacy),
         num_clients=num_clients,
@@ -228,7 +238,14 @@ def round_plan(cfg: Config, num_clients: int) -> RoundPlan:
         on_client_error=cfg.engine.on_client_error,
         device=resolve_device(cfg.engine.device),
         fold_uploads=cfg.engine.fold_uploads,
+        eval_adapted=adapted,
     )
+
+
+def eval_adapted(cfg: Config, algorithm: Algorithm, data: FederatedData) -> tuple[int, ...]:
+    """The clients the embedded evaluator adapts at each evaluation (their test and validation sizes)."""
+    tests = [int(t.numel()) for t in data.test_idx]
+    return adapted_clients(algorithm, cfg.eval.protocol, tests, [int(v.numel()) for v in data.val_idx or []])
 
 
 def build_simulation(
@@ -258,7 +275,7 @@ def build_simulation(
     return simulation(
         algorithm,
         server,
-        round_plan(cfg, data.num_clients),
+        round_plan(cfg, data.num_clients, eval_adapted(cfg, algorithm, data)),
         executor=EmbeddedExecutor(rt, e),
         evaluator=central(cfg, probed(cfg, scorer, scorer), algorithm, models, data),
         states=states,

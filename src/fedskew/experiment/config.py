@@ -45,6 +45,7 @@ from fedskew.experiment.config_sections import (
     WandbLog,
     results_config,
 )
+from fedskew.experiment.tune_section import TuningSection, check_tuning_seed
 from fedskew.settings import (
     AttackSection,
     ClientSection,
@@ -110,11 +111,18 @@ class Config(Strict):
     clock: ClockSection | None = Field(
         None, description="speeds, availability, deadlines, async aggregation (docs/clock.md)"
     )
+    tuning: TuningSection | None = Field(
+        None, description="how the values were chosen (fedskew tune): its seeds are refused as run seeds"
+    )
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
         if out["clock"] is None:  # a run without the clock records what it always recorded
             del out["clock"]
+        if out["data"]["split"] is None:  # likewise without data.split
+            del out["data"]["split"]
+        if out["tuning"] is None:  # likewise without a tuning record
+            del out["tuning"]
         if out["engine"]["secagg"] is None:  # likewise without secure aggregation
             del out["engine"]["secagg"]
         return out
@@ -152,6 +160,7 @@ def build_config(
         raise validation_error(err, Config) from None
     load_plugins(cfg.plugins)
     validate_semantics(cfg)
+    check_tuning_seed(cfg.seed, cfg.tuning)
     return cfg
 
 

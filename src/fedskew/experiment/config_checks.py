@@ -13,6 +13,7 @@ from fedskew.data.partition.core import RESERVED  # partitioner arguments the en
 from fedskew.engine.need_to_know import check_level
 from fedskew.errors import ConfigError, did_you_mean
 from fedskew.experiment.clock_checks import check_clock
+from fedskew.experiment.data_split import check_split
 from fedskew.experiment.secagg_checks import check_secagg
 from fedskew.registry import check_options
 from fedskew.runtimes import RUNTIMES
@@ -38,6 +39,7 @@ def validate_semantics(cfg: Config) -> None:
     DATASETS.get(cfg.data.dataset)
     _check_mode(cfg.engine.mode)
     _check_runtime(cfg.engine.runtime)
+    check_split(cfg.data)
     part = dict(cfg.data.partition)
     if "name" not in part:
         raise ConfigError(

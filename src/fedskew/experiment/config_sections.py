@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from fedskew.experiment.data_split import SplitSection
 from fedskew.settings import NodeDataSection, Strict
 
 
@@ -96,6 +97,9 @@ class DataConfig(Strict):
         ge=1,
         description="with shots: V more samples per class as validation, dealt like each client's mix",
     )
+    split: SplitSection | None = Field(
+        None, description="{merged: true, train_share: 0.75}: test sets cut from each client's own samples"
+    )
 
 
 class ModelConfig(BaseModel):
@@ -162,8 +166,9 @@ class LogSection(Strict):
 
 
 #: config sections that change how a run is watched, not what it computes: left out when a saved config is
-#: compared with a planned one (resume, sweeps) and when runs are grouped for a report
-WATCH_ONLY = ("name", "log")
+#: compared with a planned one (resume, sweeps) and when runs are grouped for a report; ``tuning`` only
+#: records how the values were chosen (experiment/tune_section.py)
+WATCH_ONLY = ("name", "log", "tuning")
 #: keys that say how a run uses the machine, not what it computes: left out alike (docs/decisions.md)
 RUNTIME_ONLY = {"engine": ("threads", "insecure")}
 

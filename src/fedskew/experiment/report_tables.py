@@ -18,7 +18,7 @@ import csv
 import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -59,7 +59,17 @@ KNOWN: dict[str, Column] = {
     "bytes_down": Column("bytes_down", "MB down", 1 / 2**20, better="low"),
     "wall_seconds": Column("wall_seconds", "s/run", 1.0, 1, better="low"),
     "rounds": Column("rounds", "rounds", 1.0, 0, spread=False),
+    # summary.json's compute (fedskew.engine.compute): a step is one optimizer update on one mini-batch
+    "client_steps": Column("client_steps", "client steps", 1.0, 0, better="low"),
+    "client_samples": Column("client_samples", "client samples", 1.0, 0, better="low"),
+    "eval_finetune_steps": Column("eval_finetune_steps", "eval fine-tune steps", 1.0, 0, better="low"),
+    "eval_finetune_samples": Column("eval_finetune_samples", "eval fine-tune samples", 1.0, 0, better="low"),
+    "total_steps": Column("total_steps", "total steps", 1.0, 0, better="low"),
+    "total_samples": Column("total_samples", "total samples", 1.0, 0, better="low"),
 }
+#: the keys of summary.json's ``compute`` a column may name
+COMPUTE = ("client_steps", "client_samples", "eval_finetune_steps", "eval_finetune_samples", "total_steps",
+           "total_samples")  # fmt: skip
 
 #: the Markdown table's columns since the first report (kept as they were)
 DEFAULT_COLUMNS = (
@@ -86,8 +96,22 @@ def columns_for(metrics: str | None, target: float | None, groups: Sequence[Grou
     cols = list(DEFAULT_COLUMNS) if not metrics else [metric_column(k) for k in _split(metrics)]
     if not metrics and groups and all_global(groups):
         cols = [c for c in cols if c.key not in PER_CLIENT]
+    if not metrics:
+        cols += compute_columns(groups)
     if target is not None:
         cols.append(Column("rounds_to", f"rounds to {_percent(target)}", 1.0, 1, better="low"))
+    return cols
+
+
+def compute_columns(groups: Sequence[Group]) -> list[Column]:
+    """The default table's compute columns, so that unequal compute is visible (issue 52): client steps
+    where a run counted its compute (runs written before have none: the table is as it was), evaluation-time
+    fine-tuning steps where a run took any."""
+    computes = [r.summary.get("compute") for g in groups for r in g.runs]
+    counted = [c for c in computes if isinstance(c, dict)]
+    cols = [replace(KNOWN["client_steps"], spread=False)] if counted else []
+    if any(c.get("eval_finetune_steps") for c in counted):
+        cols.append(replace(KNOWN["eval_finetune_steps"], spread=False))
     return cols
 
 
@@ -116,7 +140,9 @@ def run_metric(run: RunResult, column: Column, target: float | None = None) -> f
     final = dict(run.summary.get("final", {}))
     if column.key not in final:  # runs written before the fairness metrics: derived from their clients
         final.update(client_fairness(client_accuracies(final)))
-    value = final.get(column.key, run.summary.get(column.key))
+    compute = run.summary.get("compute")
+    counted = compute.get(column.key) if isinstance(compute, dict) and column.key in COMPUTE else None
+    value = final.get(column.key, run.summary.get(column.key, counted))
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -129,6 +155,7 @@ def check_columns(groups: Sequence[Group], columns: Sequence[Column], target: fl
             run = groups[0].runs[0]
             keys = {k for k, v in run.summary.get("final", {}).items() if isinstance(v, int | float)}
             keys |= {"bytes_up", "bytes_down", "wall_seconds", "rounds"}
+            keys |= set(COMPUTE) if isinstance(run.summary.get("compute"), dict) else set()
             per_client = col.key in PER_CLIENT
             why = " (the runs used the global protocol: one model, one test set)" if per_client else ""
             keys -= set(PER_CLIENT) if per_client else set()

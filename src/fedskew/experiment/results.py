@@ -307,6 +307,7 @@ def make_summary(
         "bytes_up": sim.bytes_up,
         "bytes_down": sim.bytes_down,
         "seconds": {k: round(v, 4) for k, v in sim.times.__dict__.items()},
+        "compute": sim.compute.summary(),  # the work spent, steps and samples (fedskew.engine.compute)
         "algorithm": cfg.algorithm.name,
         "dataset": cfg.data.dataset,
         "model": cfg.model.name,

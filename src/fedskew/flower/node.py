@@ -288,7 +288,7 @@ def handle_train(content: RecordDict, context: Context, secure: bool = False) ->
     _owned(node, cids)
     store = versions_of(context, str(job.get("experiment", "")))
     reply = RecordDict()
-    accepted, losses, samples = [], [], []
+    accepted, losses, samples, steps, passes = [], [], [], [], []
     for cid, ref in zip(cids, refs, strict=True):
         prune(store, cid, ref, int(job["keep_from"]))
         payload = get_payload(content, f"p.{cid}", node.rt.device)
@@ -300,8 +300,17 @@ def handle_train(content: RecordDict, context: Context, secure: bool = False) ->
         accepted.append(cid)
         losses.append(float(outcome.loss))
         samples.append(int(outcome.upload.num_samples))
+        steps.append(outcome.steps)  # the run's compute (fedskew.engine.compute)
+        passes.append(outcome.passes)
     reply["job"] = ConfigRecord(
-        {"accepted": accepted, "loss": losses, "samples": samples, **timings(started, built)}
+        {
+            "accepted": accepted,
+            "loss": losses,
+            "samples": samples,
+            "steps": steps,
+            "passes": passes,
+            **timings(started, built),
+        }
     )
     return reply
 

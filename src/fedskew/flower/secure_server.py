@@ -242,6 +242,7 @@ def _accept(
         o = rnd.outcomes[entry.upload.cid]
         o.accept(entry.upload)
         o.state, o.loss = {REF_KEY: r}, entry.loss
+        o.steps, o.passes = entry.steps, entry.passes
     rnd.summed[node] = accepted
 
 

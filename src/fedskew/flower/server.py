@@ -41,6 +41,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedskew.algorithms.base import Algorithm, RoundInfo
 from fedskew.engine.assembly import initial_server
+from fedskew.engine.compute import adapted_clients
 from fedskew.engine.evaluation import Evaluator
 from fedskew.engine.folding import FoldedRound
 from fedskew.engine.loop import Simulation
@@ -237,6 +238,7 @@ class FlowerExecutor:
             o = out[entry.upload.cid]
             o.accept(entry.upload)
             o.state, o.loss = {REF_KEY: r}, entry.loss
+            o.steps, o.passes = entry.steps, entry.passes
         return out
 
     def refuse(self, r: int, cids: list[int], reply: Message, refused: dict[int, str]) -> None:
@@ -336,10 +338,11 @@ def server_simulation(
     executor = kind(algorithm, grid, cfg, models.device, out, parts.federation, bound)
     states = SpillingStates(lambda cid: {REF_KEY: 0}, int(cfg.engine.state_memory_mb * 2**20), states_dir)
     scorer = FlowerEvaluator(parts.local, executor, parts.test_sizes, parts.val_sizes, parts.node_tests)
+    adapted = adapted_clients(algorithm, cfg.eval.protocol, parts.test_sizes, parts.val_sizes)  # compute
     return Simulation(
         algorithm,
         server,
-        round_plan(cfg, len(parts.test_sizes)),
+        round_plan(cfg, len(parts.test_sizes), adapted),
         executor=executor,
         evaluator=with_central(cfg, scorer, algorithm, models, parts.classes, parts.in_shape)
         if parts.local is None

@@ -11,7 +11,8 @@ unused where it says so (``nway_kshot``, ``longtail``, ``dirichlet`` in ``per_cl
 Families: :mod:`.quantity` (iid, quantity), :mod:`.dirichlet` and :mod:`.pathological` (label skew),
 :mod:`.domain` (feature skew), :mod:`.fewshot` (the K-shot protocol and its iid / disjoint-class splits),
 :mod:`.compose` (long tail ∘ any), :mod:`.splits` (per-client test and
-validation splits); :mod:`.core` holds the shared machinery and :func:`apply_partition`.
+validation splits), :mod:`.pfllib` (PFLlib's pat / dir and its per-client split of a merged pool);
+:mod:`.core` holds the shared machinery and :func:`apply_partition`.
 """
 
 from fedskew.data.partition.compose import longtail
@@ -26,6 +27,7 @@ from fedskew.data.partition.dirichlet import dirichlet
 from fedskew.data.partition.domain import domain
 from fedskew.data.partition.fewshot import class_chunks, few_shot_indices, iid_divmod
 from fedskew.data.partition.pathological import classes_per_client, nway_kshot, shards
+from fedskew.data.partition.pfllib import merged_client_split, pfllib_dir, pfllib_pat, share_split
 from fedskew.data.partition.quantity import iid, quantity
 from fedskew.data.partition.splits import client_test_split, validation_split
 
@@ -43,9 +45,13 @@ __all__ = [
     "iid",
     "iid_divmod",
     "longtail",
+    "merged_client_split",
     "nway_kshot",
     "partition_options",
+    "pfllib_dir",
+    "pfllib_pat",
     "quantity",
     "shards",
+    "share_split",
     "validation_split",
 ]
