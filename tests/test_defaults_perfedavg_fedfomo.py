@@ -246,3 +246,20 @@ def test_train_indices_that_are_not_the_clients_samples_break_the_contract(bad, 
             assert sim.round == 0  # nothing committed
         finally:
             sim.close()
+
+
+def test_train_indices_of_any_integer_dtype_name_samples_and_a_non_tensor_breaks_the_contract():
+    """Review (issue 52): torch indexes with a uint8 tensor as a mask, so uint8 indices [0..4] of a 5-sample
+    client selected samples 1..4 (and other uint8 indices raised a client-side IndexError)."""
+    from fedskew.engine.client import training_subset
+
+    view = client_view(torch.arange(5.0).unsqueeze(1), torch.tensor([0, 1, 2, 0, 1]))
+    for dtype in (torch.uint8, torch.int32, torch.int64):
+        whole = training_subset(view, torch.arange(5, dtype=dtype), "alg")
+        assert whole.x.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        some = training_subset(view, torch.tensor([3, 1], dtype=dtype), "alg")
+        assert some.x.flatten().tolist() == [3.0, 1.0] and some.class_counts.tolist() == [1, 1, 0]
+    with pytest.raises(ContractError, match="not sample indices"):
+        training_subset(view, [0, 1], "alg")  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="not sample indices"):
+        training_subset(view, torch.ones(5, dtype=torch.bool), "alg")

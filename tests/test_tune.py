@@ -205,6 +205,42 @@ def test_the_objective_is_the_final_validation_accuracy(tmp_path):
     assert read_trial(diverged) == pytest.approx(0.3)
 
 
+def test_a_failed_run_scores_zero_not_its_initial_models_accuracy(tmp_path):
+    """Adversarial (review R1): a diverged run's uploads are all rejected, so it ends at its initial model's
+    finite chance-level val accuracy with ``status: failed``; it must score 0, below a run that learned a
+    little, or the sampler would prefer divergence to a small lr."""
+    diverged = _summary(tmp_path / "d", {"val_accuracy": 0.118, "accuracy": 0.11})
+    summary = json.loads((diverged / "summary.json").read_text())
+    (diverged / "summary.json").write_text(json.dumps({**summary, "status": "failed", "failure": "x"}))
+    slow = _summary(tmp_path / "s", {"val_accuracy": 0.10, "accuracy": 0.10})
+    assert read_trial([diverged]) == 0.0 and read_trial([slow]) == pytest.approx(0.10)
+
+
+def test_an_empty_validation_split_stops_the_tune_in_one_line(tmp_path, monkeypatch, capsys):
+    """Adversarial (review R1): data.val_fraction > 0 passes the up-front check, but x each client's
+    samples it rounds to 0: no run scores a validation sample, every trial would tie at 0 and the first be
+    "chosen". Refused in one line, exit 2, nothing chosen."""
+    base, out = write_base(tmp_path, rounds=1), tmp_path / "study"
+    args = [*tune_args(base, out, trials=1), "--set", "data.val_fraction=0.0001"]
+    code, _, err = cli(args, monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "scored no validation sample" in err, err
+    assert not (out / "chosen").exists() and not (out / "budget.json").exists()
+
+
+def test_a_trial_the_config_refuses_says_a_rerun_repeats_it(tmp_path, monkeypatch, capsys):
+    """Adversarial (review R1): LG-FedAvg's declared global_layers cannot apply under a fixed
+    ``global_part=head``; the refusal comes from the run, after the trial was asked, and a rerun re-runs
+    the trial with the same values. The line must not promise that a rerun resumes: exit 1, one line."""
+    base, out = write_base(tmp_path, rounds=1, eval={"protocol": "personalized", "every": 1}), tmp_path / "s"
+    args = ["tune", str(base), "--methods", "lgfedavg", "--trials", "1", "--seeds", "100", "--out", str(out),
+            "--set", "algorithm.global_part=head"]  # fmt: skip
+    for _ in range(2):  # the rerun repeats it
+        code, _, err = cli(args, monkeypatch, capsys)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        assert "refused by this config" in err and "a rerun would repeat it" in err
+        assert "rerun to resume" not in err
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -328,3 +364,19 @@ def test_a_killed_tune_resumes_with_the_same_budget(tmp_path, monkeypatch, capsy
                     (out / method / f"trial{t.number}" / f"seed{s}" / "config.yaml").read_text()
                 )
                 assert saved["client"]["lr"] == t.params["client.lr"]
+
+
+def test_report_refuses_to_average_trial_runs_into_the_chosen_configs_numbers(study, tmp_path, monkeypatch,
+                                                                              capsys):  # fmt: skip
+    """A tune's trial runs carry no ``tuning`` record, so `fedskew report` over the tune and the reporting
+    sweep together would group the best trial's tuning-seed runs with the reporting seeds' runs."""
+    _, out, _ = study
+    chosen = sorted(map(str, (out / "chosen").glob("*.yaml")))[:1]
+    report = tmp_path / "report"
+    code, _, err = cli(["sweep", *chosen, "--seeds", "0-1", "--out", str(report)], monkeypatch, capsys)
+    assert code == 0, err
+    code, _, err = cli(["report", str(out), str(report)], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "on tuning seed 10" in err and "without the tune's folder" in err
+    code, _, err = cli(["report", str(report)], monkeypatch, capsys)
+    assert code == 0, err

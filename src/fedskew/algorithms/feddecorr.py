@@ -83,9 +83,10 @@ class FedDecorr(Algorithm):
             high=1.0,
             log=True,
             ge=0.0,
-            description="weight β of L_FedDecorr on the 'code' formula's scale (source: authors' main.py "
-            "default --feddecorr_coef 0.1 and run_scripts for CIFAR-10 / TinyImageNet; 0.05 for CIFAR-100); "
-            "search space ours (no grid of the authors read): a decade either side of 0.1",
+            description="weight β of L_FedDecorr on the 'code' formula's scale (source: authors' "
+            "approach/fedavg.py default --feddecorr_coef 0.1 and run_scripts for CIFAR-10 / TinyImageNet; "
+            "0.05 for CIFAR-100); search space ours (no grid of the authors read): a decade either side "
+            "of 0.1",
         )
         formula: Literal["code", "paper"] = Field(
             "code",

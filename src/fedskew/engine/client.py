@@ -105,14 +105,15 @@ def prepare_client(
 
 def training_subset(client: ClientView, idx: Tensor, algorithm: str) -> ClientView:
     """The samples ``idx`` of ``client`` that a plan trains on; indices that are not distinct 1-d integers
-    within the client's samples break the contract."""
+    within the client's samples break the contract. Indexed as int64: torch reads a uint8 index tensor as a
+    mask, which would pick other samples than the ones named."""
     n = client.num_samples
-    ok = idx.dim() == 1 and not idx.is_floating_point() and not idx.is_complex() and idx.dtype != torch.bool
-    if not ok or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+    ok = isinstance(idx, Tensor) and idx.dim() == 1 and not idx.is_floating_point() and not idx.is_complex()
+    if not ok or idx.dtype == torch.bool or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n)):
         raise ContractError(f"{algorithm}.start_local returned train_indices that are not sample indices")
     if torch.unique(idx).numel() != idx.numel():
         raise ContractError(f"{algorithm}.start_local returned repeated train_indices")
-    return client.subset(idx.to(client.y.device))
+    return client.subset(idx.to(client.y.device, torch.long))
 
 
 def load_start_weights(model: nn.Module, weights: Mapping[str, Tensor], algorithm: str) -> None:

@@ -25,6 +25,7 @@ from fedskew.experiment.config import WATCH_ONLY, read_saved_config, results_con
 from fedskew.experiment.config_diff import flatten as flatten_config
 from fedskew.experiment.report_time import TIME_AXIS, XAxis, require_key
 from fedskew.experiment.runner import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from fedskew.experiment.tune_section import check_no_tuning_runs
 
 
 @dataclass
@@ -148,6 +149,9 @@ def group_runs(runs: list[RunResult]) -> list[Group]:
         key = json.dumps(key_cfg, sort_keys=True)
         groups.setdefault(key, Group(r.label)).runs.append(r)
     found = list(groups.values())
+    for g in found:  # a tune's trial runs never average into its chosen config's reported numbers
+        seen = [(r.config["seed"], r.config.get("tuning"), str(r.path)) for r in g.runs]
+        check_no_tuning_runs(g.label, seen)
     _label_differences(found)
     _disambiguate(found)
     return found

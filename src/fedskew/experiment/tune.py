@@ -330,8 +330,19 @@ def run_tune(
                         on_trial(method, number, values, value)
             crashed = [(r, m) for r, m in outcome.failed if not (r.folder / SUMMARY_FILE).is_file()]
             if crashed:
-                folders = ", ".join(str(r.folder) for r, _ in crashed)
-                raise RunFailure(
-                    f"tune: {len(crashed)} runs failed (see error.log): {folders}; rerun to resume"
-                )
+                raise RunFailure(_crash_line(crashed))
         return TuneOutcome(results=write_results(plan, studies))
+
+
+def _crash_line(crashed: Sequence[tuple[PlannedRun, str]]) -> str:
+    """The one line of a step whose runs crashed. A config refusal (a trial's values that this config
+    cannot take, e.g. lgfedavg's global_layers under global_part=head) repeats on every rerun, since the
+    interrupted trial is re-run with its own values: that line says so instead of "rerun to resume"."""
+    folders = ", ".join(str(r.folder) for r, _ in crashed)
+    refused = next((m for _, m in crashed if m.startswith("ConfigError")), None)
+    if refused is None:
+        return f"tune: {len(crashed)} runs failed (see error.log): {folders}; rerun to resume"
+    return (
+        f"tune: a trial's values are refused by this config ({' '.join(refused.split())}); a rerun would "
+        "repeat it; allowed: leave that knob out (--knobs) or change --set, with another --out"
+    )

@@ -3,9 +3,12 @@ the chosen configs (``chosen/<method>.yaml``) and the budget record (``budget.js
 
 Why the objective reads ``summary["final"]["val_accuracy"]``: the final round on the validation split is
 what a reporting run's model is (never the best round, never test, both of which select on what is then
-reported). A run whose final validation accuracy is missing or non-finite (it diverged) scores 0, worse
-than any model that learned, so the trial still counts towards the equal budget and the sampler learns to
-avoid its values.
+reported). A run whose final validation accuracy is non-finite, or whose summary says ``failed`` (it
+diverged: the engine rejects non-finite uploads, so a diverged run usually ends at its *initial* model's
+finite, chance-level accuracy and only its status tells), scores 0, worse than any model that learned, so the
+trial still counts towards the equal budget and the sampler learns to avoid its values. A run that scored no
+validation sample at all (``data.val_fraction`` too small for its clients) is refused: every trial would
+score 0 and the "best" would be the first.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from fedskew.errors import ConfigError
 from fedskew.experiment.config import build_config
 from fedskew.experiment.config_diff import flatten
 from fedskew.experiment.config_marks import read_marked
@@ -37,16 +41,25 @@ def _summary(folder: Path) -> dict[str, Any]:
 
 
 def run_value(summary: dict[str, Any]) -> float | None:
-    """A run's final validation accuracy; ``None`` when missing or non-finite (the run diverged)."""
+    """A run's final validation accuracy; ``None`` when missing or non-finite or the run says ``failed``
+    (it diverged)."""
     value = (summary.get("final") or {}).get("val_accuracy")
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or failed(summary):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 def read_trial(folders: list[Path]) -> float:
-    """The objective of a trial: its runs' final ``val_accuracy``, averaged (a diverged run scores 0)."""
-    values = [run_value(_summary(f)) for f in folders]
+    """The objective of a trial: its runs' final ``val_accuracy``, averaged (a diverged run scores 0); a run
+    that scored no validation sample is refused in one line (see the module docstring)."""
+    summaries = [_summary(f) for f in folders]
+    for folder, s in zip(folders, summaries, strict=True):
+        if "val_accuracy" not in (s.get("final") or {}):
+            raise ConfigError(
+                f"tune: {folder} scored no validation sample (data.val_fraction x each client's samples "
+                "rounds to 0); allowed: a larger data.val_fraction (or data.val_shots), with another --out"
+            )
+    values = [run_value(s) for s in summaries]
     return sum(v or 0.0 for v in values) / len(values)
 
 

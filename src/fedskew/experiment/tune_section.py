@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from fedskew.errors import ConfigError
+from fedskew.errors import ConfigError, FedskewError
 from fedskew.settings import Strict
 
 
@@ -37,3 +37,17 @@ def check_tuning_seed(seed: int, tuning: TuningSection | None) -> None:
             f"{seeds}); allowed: a reporting seed outside them",
             key="seed",
         )
+
+
+def check_no_tuning_runs(label: str, runs: list[tuple[int, dict[str, Any] | None, str]]) -> None:
+    """A one-line :class:`~fedskew.errors.FedskewError` when a report group (``label``; its runs as
+    ``(seed, tuning record or None, folder)``) mixes a tuned config's reporting runs with runs on its tuning
+    seeds: a tune's trial runs carry no ``tuning`` record and so group with the chosen config's runs, and
+    their seeds' numbers have already been seen by the choice."""
+    tuned = {int(s) for _, rec, _ in runs if isinstance(rec, dict) for s in rec.get("seeds", [])}
+    for seed, _, folder in runs:
+        if seed in tuned:
+            raise FedskewError(
+                f"report group '{label}' holds run '{folder}' on tuning seed {seed} beside runs of the "
+                "config tuned on it; allowed: report the sweep's result folder without the tune's folder"
+            )

@@ -1,0 +1,92 @@
+"""Tables of a comparison run under the issue-52 protocol: ``fedskew tune`` then ``fedskew sweep`` of the chosen
+configs on reporting seeds disjoint from the tuning seeds.
+
+    python docs/reproduction/tuned_tables.py TUNE_DIR REPORT_DIR [BASELINE ...]
+
+``TUNE_DIR``: the ``--out`` of ``fedskew tune`` (its ``budget.json``); ``REPORT_DIR``: the ``--out`` of the
+sweep over ``TUNE_DIR/chosen/*.yaml`` with ``--name '{algorithm.name}'``. Per method: the tuned values
+(``*``: at an end of its search range, within 2% of its width on the sampling scale), the best trial's final
+validation accuracy on the tuning seeds, the final-round test accuracy on the reporting seeds (mean ± sample
+std), the seed-paired differences to each baseline with 95% t-intervals (``*``: excludes 0), the compute of
+one reporting run (client steps and evaluation fine-tuning steps, mean over seeds) and the tuning budget's
+compute. "collapses" flags a method whose interval against a baseline contains 0 while a tuned knob sits at
+a range's end (the issue-52 "collapses onto a baseline" flag).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedskew.experiment.report import Group, Paired, find_runs, values_by_seed
+
+
+def _value(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def tuned_text(best: dict) -> str:
+    marks = set(best.get("at_boundary", []))
+    parts = [f"{k.split('.')[-1]}={_value(v)}{'*' if k in marks else ''}" for k, v in best["values"].items()]
+    return ", ".join(parts)
+
+
+def paired(group: Group, baseline: Group) -> Paired:
+    base, vals = values_by_seed(baseline), values_by_seed(group)
+    seeds = sorted(base.keys() & vals.keys())
+    return Paired(group, {s: vals[s] - base[s] for s in seeds}, 0)
+
+
+def paired_text(p: Paired) -> str:
+    lo, hi = p.interval
+    return f"{100 * p.mean:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]{' *' if p.excludes_zero else ''}"
+
+
+def mean_compute(group: Group, key: str) -> float:
+    return float(np.mean([float((r.summary.get("compute") or {}).get(key, 0)) for r in group.runs]))
+
+
+def table(tune: Path, report: Path, baselines: list[str]) -> str:
+    budget = json.loads((tune / "budget.json").read_text())
+    groups = {run.path.parent.name: None for run in find_runs([report])}
+    by_method = {m: Group(m, find_runs([report / m])) for m in groups}
+    head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
+    head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
+    head += ["client steps / run", "eval fine-tune steps / run", "tuning steps", "collapses"]
+    rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for m, info in budget["methods"].items():
+        if m not in by_method:
+            continue
+        g, best = by_method[m], info["best"]
+        acc = 100 * np.array(list(values_by_seed(g).values()))
+        cells = [m, str(info["trials"]), tuned_text(best), f"{100 * best['value']:.2f}"]
+        cells.append(f"{acc.mean():.2f} ± {acc.std(ddof=1):.2f} (n={len(acc)})")
+        collapse = []
+        for b in baselines:
+            if b not in by_method:
+                continue
+            if b == m:
+                cells.append("—")
+                continue
+            p = paired(g, by_method[b])
+            cells.append(paired_text(p))
+            if not p.excludes_zero and best.get("at_boundary"):
+                collapse.append(b)
+        steps = (info.get("compute") or {}).get("total_steps")
+        cells += [
+            f"{mean_compute(g, 'client_steps'):,.0f}",
+            f"{mean_compute(g, 'eval_finetune_steps'):,.0f}",
+            "—" if steps is None else f"{steps:,.0f}",
+            ", ".join(f"onto {b}" for b in collapse) or "no",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    print(table(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] or ["fedavg", "local"]))
