@@ -1,5 +1,5 @@
-"""Tables of a comparison run under the issue-52 protocol: ``fedskew tune`` then ``fedskew sweep`` of the chosen
-configs on reporting seeds disjoint from the tuning seeds.
+"""Tables of a comparison run under the issue-52 protocol: ``fedskew tune``, then ``fedskew sweep`` of the
+chosen configs on reporting seeds disjoint from the tuning seeds.
 
     python docs/reproduction/tuned_tables.py TUNE_DIR REPORT_DIR [BASELINE ...]
 
