@@ -307,7 +307,9 @@ def make_summary(
         "bytes_up": sim.bytes_up,
         "bytes_down": sim.bytes_down,
         "seconds": {k: round(v, 4) for k, v in sim.times.__dict__.items()},
-        "compute": sim.compute.summary(),  # the work spent, steps and samples (fedskew.engine.compute)
+        # the work spent, steps and samples (fedskew.engine.compute); it counts the clients' batches, a
+        # statistic of their data sizes no noise covers: withheld under DP like the other such statistics
+        **({"compute": sim.compute.summary()} if sim.algorithm.discloses_client_statistics else {}),
         "algorithm": cfg.algorithm.name,
         "dataset": cfg.data.dataset,
         "model": cfg.model.name,

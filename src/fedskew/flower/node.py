@@ -302,15 +302,10 @@ def handle_train(content: RecordDict, context: Context, secure: bool = False) ->
         samples.append(int(outcome.upload.num_samples))
         steps.append(outcome.steps)  # the run's compute (fedskew.engine.compute)
         passes.append(outcome.passes)
+    # steps and passes count the client's batches, a statistic of its data size: withheld under local DP
+    work = {"steps": steps, "passes": passes} if node.rt.algorithm.discloses_client_statistics else {}
     reply["job"] = ConfigRecord(
-        {
-            "accepted": accepted,
-            "loss": losses,
-            "samples": samples,
-            "steps": steps,
-            "passes": passes,
-            **timings(started, built),
-        }
+        {"accepted": accepted, "loss": losses, "samples": samples, **work, **timings(started, built)}
     )
     return reply
 
