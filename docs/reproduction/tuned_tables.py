@@ -63,7 +63,9 @@ def table(tune: Path, report: Path, baselines: list[str]) -> str:
         g, best = by_method[m], info["best"]
         acc = 100 * np.array(list(values_by_seed(g).values()))
         cells = [m, str(info["trials"]), tuned_text(best), f"{100 * best['value']:.2f}"]
-        cells.append(f"{acc.mean():.2f} ± {acc.std(ddof=1):.2f} (n={len(acc)})")
+        failed = sum(r.summary.get("status") == "failed" for r in g.runs)  # diverged: kept, final-round
+        note = f", {failed} failed" if failed else ""
+        cells.append(f"{acc.mean():.2f} ± {acc.std(ddof=1):.2f} (n={len(acc)}{note})")
         collapse = []
         for b in baselines:
             if b not in by_method:
