@@ -217,6 +217,11 @@ def test_a_plugin_whose_default_lies_outside_its_space_is_one_line_exit_2(
         (2.5, {"low": 1, "high": 4, "integer": True}, "default 2.5 is outside"),
         (float("nan"), {"low": 0.0, "high": 1.0}, "is outside"),
         ("sgd", {"choices": ["adam"]}, "default 'sgd' is outside"),
+        (1.0, {"low": 0.0, "high": 1.0, "step": 0.3}, "must divide the range [0, 1]"),
+        (0.5, {"low": 0.1, "high": 1.0, "log": True, "step": 0.1}, "positive, linear and whole"),
+        (2, {"low": 1, "high": 5, "integer": True, "step": 1.5}, "positive, linear and whole"),
+        (1.0, {"low": 0.0, "high": 1.0, "step": 0.0}, "positive, linear and whole"),
+        (0.3, {"low": 0.0, "high": 1.0, "step": 0.25}, "default 0.3 is outside"),  # off the step grid
     ],
 )
 def test_a_bad_space_raises_at_class_definition(default, space, match):
@@ -224,3 +229,11 @@ def test_a_bad_space_raises_at_class_definition(default, space, match):
 
         class Bad(BaseModel):  # the class statement itself must fail
             knob: float = tunable(default, **space)
+
+
+def test_a_step_grid_holds_its_points_and_only_them():
+    grid = SearchSpace(0.0, 1.0, step=0.25)
+    assert [grid.contains(v) for v in (0.0, 0.25, 0.75, 1.0)] == [True] * 4
+    assert not grid.contains(0.3) and not grid.contains(1.25)
+    odd = SearchSpace(1, 9, integer=True, step=2)
+    assert odd.contains(5) and not odd.contains(4)

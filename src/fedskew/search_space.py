@@ -47,6 +47,24 @@ class SearchSpace:
             raise ValueError(f"a search range needs low < high, got [{self.low}, {self.high}]")
         if self.log and self.low <= 0:
             raise ValueError(f"a log-scale search range needs low > 0, got {self.low}")
+        if self.step is not None:
+            self._check_step(self.low, self.high, self.step)
+
+    def _check_step(self, low: float, high: float, step: float) -> None:
+        """A step grid: positive, not on a log scale (Optuna takes none there), whole for an integer range,
+        and dividing the range so that ``high`` is a grid point."""
+        if not step > 0 or self.log or (self.integer and step != int(step)):
+            raise ValueError(f"a search step must be positive, linear and whole on integers, got {step}")
+        cells = (high - low) / step
+        if abs(cells - round(cells)) > 1e-9 * max(1.0, cells):
+            raise ValueError(f"a search step {step:g} must divide the range [{low:g}, {high:g}]")
+
+    def on_grid(self, value: float) -> bool:
+        """Whether ``value`` is a point of the range's step grid (always, without a step)."""
+        if self.step is None or self.low is None:
+            return True
+        cells = (value - self.low) / self.step
+        return abs(cells - round(cells)) <= 1e-9 * max(1.0, abs(cells))
 
     def contains(self, value: Any) -> bool:
         """Whether ``value`` is a point of this space (a range's bounds included)."""
@@ -57,7 +75,7 @@ class SearchSpace:
             return False
         if self.integer and value != int(value):
             return False
-        return self.low <= value <= self.high
+        return self.low <= value <= self.high and self.on_grid(value)
 
     def position(self, value: float) -> float:
         """Where ``value`` lies in the range: 0 at ``low``, 1 at ``high`` (on the log scale when ``log``)."""
