@@ -252,9 +252,11 @@ def test_a_poisson_run_reports_pld_beside_rdp(tmp_path: Path, mode: str) -> None
     summary = run_experiment(build_config(raw), tmp_path)
     privacy = summary["privacy"]
     want = accounting.epsilon(5, 3, Z, 2, 1e-5, accountant="pld", sampling="poisson", adjacency="add_remove")
-    # the per-round curve composes round by round, the summary's value all rounds at once
-    assert summary["final"]["epsilon"] == pytest.approx(want, rel=1e-6)
     assert privacy["epsilon_pld"] == pytest.approx(want, rel=1e-6)
+    # the per-round curve composes round by round, the summary's value all rounds at once; secret Poisson
+    # sampling may draw nobody in the last round (0.4^5 ≈ 1%), which is then skipped and records no ε
+    if 2 not in summary["skipped_rounds"]:
+        assert summary["final"]["epsilon"] == pytest.approx(want, rel=1e-6)
     assert privacy["epsilon_pld"] < privacy["epsilon_rdp"] and "add" in privacy["pld_note"]
 
 
