@@ -33,10 +33,20 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = "FEDSKEW_TEST_RAY_CLUSTER"  # in the environment of every process of a test cluster
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` distinct free ports, none in ``taken`` (which they join). Every socket stays bound until all
+    are drawn: ports drawn one closed socket at a time may repeat, and Ray refuses a port given to two
+    components."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+                taken.add(port)
+    return ports
 
 
 def marked_pids(value: str) -> list[int]:
@@ -58,17 +68,21 @@ class RayCluster:
         # short: Ray's unix sockets live under the temporary folder (a path may hold at most 107 bytes)
         self.folder = Path(tempfile.mkdtemp(prefix="fsray-"))
         self.names = ["head"] + [f"worker-{i}" for i in range(workers)]
-        self.address = f"127.0.0.1:{free_port()}"
+        self.taken: set[int] = set()  # every port given to a node of this cluster
+        self.address = f"127.0.0.1:{free_ports(1, self.taken)[0]}"
 
     def start(self, name: str) -> None:
         ports = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc"]
         ports += ["runtime-env-agent", "metrics-export"]
         args = [str(Path(sys.executable).parent / "ray"), "start", "--num-cpus", "1", "--num-gpus", "0"]
         args += ["--temp-dir", str(self.folder / name), "--object-store-memory", str(100 * 2**20)]
-        args += ["--disable-usage-stats", *(a for p in ports for a in (f"--{p}-port", str(free_port())))]
+        if name == "head":
+            ports += ["dashboard", "ray-client-server"]
+        chosen = free_ports(len(ports), self.taken)
+        args += ["--disable-usage-stats"]
+        args += [a for p, n in zip(ports, chosen, strict=True) for a in (f"--{p}-port", str(n))]
         if name == "head":
             args += ["--head", "--port", self.address.rsplit(":", 1)[1], "--include-dashboard", "false"]
-            args += ["--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port())]
         else:
             args += ["--address", self.address]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
