@@ -76,15 +76,21 @@ def cell(group: Group, key: str = "accuracy") -> str:
     return f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
 
 
-def paired_cell(group: Group, baseline: Group) -> str:
-    if group is baseline:
-        return "—"
+def paired(group: Group, baseline: Group) -> Paired:
+    """``group`` − ``baseline`` on the seeds both ran (final-round accuracy), seed by seed."""
     base, vals = values_by_seed(baseline), values_by_seed(group)
     seeds = sorted(base.keys() & vals.keys())
-    p = Paired(group, {s: vals[s] - base[s] for s in seeds}, 0)
+    return Paired(group, {s: vals[s] - base[s] for s in seeds}, 0)
+
+
+def paired_text(p: Paired) -> str:
+    """Mean difference in points with its 95% t-interval; `` *`` where the interval excludes 0."""
     lo, hi = p.interval
-    mark = " *" if p.excludes_zero else ""
-    return f"{100 * p.mean:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]{mark}"
+    return f"{100 * p.mean:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]{' *' if p.excludes_zero else ''}"
+
+
+def paired_cell(group: Group, baseline: Group) -> str:
+    return "—" if group is baseline else paired_text(paired(group, baseline))
 
 
 def selection_table(root: Path, baseline: str) -> str:

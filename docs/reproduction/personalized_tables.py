@@ -22,6 +22,7 @@ def chosen_on_seed(candidates: list[Group], seed: int = 0) -> Group:
     """The grid point with the best final validation accuracy on ``seed`` (test accuracy never looked at)."""
     return max(candidates, key=lambda g: values_by_seed(g, "val_accuracy").get(seed, float("-inf")))
 
+
 SETTINGS = [
     ("MNIST, FedProto's n-way k-shot (n = 3, k = 100)", "pers-mnist-nway"),
     ("Fashion-MNIST, FedProto's n-way k-shot (n = 3, k = 100)", "pers-fmnist-nway"),

@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from global_tables import paired, paired_text
 
-from fedskew.experiment.report import Group, Paired, find_runs, values_by_seed
+from fedskew.experiment.report import Group, find_runs, values_by_seed
 
 
 def _value(v: object) -> str:
@@ -32,17 +33,6 @@ def tuned_text(best: dict) -> str:
     marks = set(best.get("at_boundary", []))
     parts = [f"{k.split('.')[-1]}={_value(v)}{'*' if k in marks else ''}" for k, v in best["values"].items()]
     return ", ".join(parts)
-
-
-def paired(group: Group, baseline: Group) -> Paired:
-    base, vals = values_by_seed(baseline), values_by_seed(group)
-    seeds = sorted(base.keys() & vals.keys())
-    return Paired(group, {s: vals[s] - base[s] for s in seeds}, 0)
-
-
-def paired_text(p: Paired) -> str:
-    lo, hi = p.interval
-    return f"{100 * p.mean:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]{' *' if p.excludes_zero else ''}"
 
 
 def mean_compute(group: Group, key: str) -> float:
