@@ -127,7 +127,11 @@ def test_list_params_fedprox_shows_the_lr_then_mu_with_its_space(monkeypatch, ca
 def test_list_params_marks_undeclared_knobs_with_a_dash(monkeypatch, capsys):
     rc, out, _ = cli(["list", "--params", "apfl", "--plain"], monkeypatch, capsys)
     rows = {r.split("\t")[0]: r.split("\t") for r in out.splitlines()}
-    assert rc == 0 and rows["algorithm.alpha"][3] == "[0.25, 0.75]" and rows["algorithm.mixing"][3] == "—"
+    assert (
+        rc == 0
+        and rows["algorithm.alpha"][3] == "[0.25, 0.75] (personalized only)"
+        and rows["algorithm.mixing"][3] == "—"
+    )
     assert rows["algorithm.mixing"][1] == "Literal['params', 'logits']"
 
 

@@ -22,6 +22,8 @@ from fedskew.errors import ConfigError
 SEARCH_KEY = "search"
 
 Choice = bool | int | float | str | None
+#: the evaluation protocols a knob's ``protocols`` may name (``eval.protocol``'s values)
+PROTOCOLS = ("global", "personalized")
 #: a tuned value within this share of its range's width from an end counts as "at the boundary"
 BOUNDARY_TOLERANCE = 0.02
 
@@ -29,7 +31,10 @@ BOUNDARY_TOLERANCE = 0.02
 @dataclass(frozen=True)
 class SearchSpace:
     """Where a tuner looks for one hyper-parameter: ``choices``, or the range [low, high] (``log``: sampled
-    uniformly in log scale; ``integer``: whole numbers, on a grid of ``step``)."""
+    uniformly in log scale; ``integer``: whole numbers, on a grid of ``step``). ``protocols``: the evaluation
+    protocols (``eval.protocol``) under which the knob changes what is evaluated, None for every protocol; a
+    knob that acts only on personal models (a fine-tuning length, Ditto's λ) is inert when the global model
+    is scored, and a tuner that searched it there would spend trials on noise."""
 
     low: float | None = None
     high: float | None = None
@@ -37,8 +42,14 @@ class SearchSpace:
     integer: bool = False
     step: float | None = None
     choices: tuple[Choice, ...] | None = None
+    protocols: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.protocols is not None and (not self.protocols or not set(self.protocols) <= set(PROTOCOLS)):
+            raise ValueError(
+                f"a search space's protocols is None (every protocol) or some of {', '.join(PROTOCOLS)}, "
+                f"got {self.protocols}"
+            )
         if self.choices is not None:
             if self.low is not None or self.high is not None or not self.choices:
                 raise ValueError("a search space is either non-empty choices or a range, not both")
@@ -58,6 +69,10 @@ class SearchSpace:
         cells = (high - low) / step
         if abs(cells - round(cells)) > 1e-9 * max(1.0, cells):
             raise ValueError(f"a search step {step:g} must divide the range [{low:g}, {high:g}]")
+
+    def acts_under(self, protocol: str) -> bool:
+        """Whether the knob changes what is evaluated under ``eval.protocol`` = ``protocol``."""
+        return self.protocols is None or protocol in self.protocols
 
     def on_grid(self, value: float) -> bool:
         """Whether ``value`` is a point of the range's step grid (always, without a step)."""
@@ -103,13 +118,13 @@ class SearchSpace:
         return f"[{self.low:g}, {self.high:g}]{kind}"
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"log": self.log, "integer": self.integer}
+        acts = {} if self.protocols is None else {"protocols": list(self.protocols)}
         if self.choices is not None:
-            return {"choices": list(self.choices)}
-        out.update(low=self.low, high=self.high)
+            return {"choices": list(self.choices), **acts}
+        out: dict[str, Any] = {"log": self.log, "integer": self.integer, "low": self.low, "high": self.high}
         if self.step is not None:
             out["step"] = self.step
-        return out
+        return out | acts
 
 
 def tunable(
@@ -121,11 +136,20 @@ def tunable(
     integer: bool = False,
     step: float | None = None,
     choices: Sequence[Choice] | None = None,
+    protocols: Sequence[str] | None = None,
     **field: Any,
 ) -> Any:
     """A pydantic ``Field(default, **field)`` that declares its search space (see :class:`SearchSpace`);
     the default must lie in it."""
-    space = SearchSpace(low, high, log, integer, step, None if choices is None else tuple(choices))
+    space = SearchSpace(
+        low,
+        high,
+        log,
+        integer,
+        step,
+        None if choices is None else tuple(choices),
+        None if protocols is None else tuple(protocols),
+    )
     if default is not None and not space.contains(default):
         raise ValueError(f"default {default!r} is outside its search space {space.text()}")
     extra = dict(field.pop("json_schema_extra", None) or {})
@@ -138,8 +162,11 @@ def space_of(extra: Any) -> SearchSpace | None:
     if not isinstance(extra, dict) or SEARCH_KEY not in extra:
         return None
     d = dict(extra[SEARCH_KEY])
-    choices = d.pop("choices", None)
-    return SearchSpace(choices=tuple(choices)) if choices is not None else SearchSpace(**d)
+    choices, protocols = d.pop("choices", None), d.pop("protocols", None)
+    acts = None if protocols is None else tuple(protocols)
+    if choices is not None:
+        return SearchSpace(choices=tuple(choices), protocols=acts)
+    return SearchSpace(**d, protocols=acts)
 
 
 def search_spaces(model: type[BaseModel]) -> dict[str, SearchSpace]:

@@ -88,6 +88,7 @@ class APFL(Algorithm):
             0.5,
             low=0.25,
             high=0.75,
+            protocols=("personalized",),  # α shapes v only: w's step never sees it (Alg. 1)
             ge=0.0,
             le=1.0,
             description="initial mixing weight α (source: authors' code --fed_personal_alpha 0.5; the "

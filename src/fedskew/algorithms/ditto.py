@@ -83,6 +83,7 @@ class Ditto(Algorithm):
             low=0.05,
             high=2.0,
             log=True,
+            protocols=("personalized",),  # λ shapes v only: w's local solver never sees it (Alg. 1)
             ge=0.0,
             description="λ of h_k (Eq. 1) (source: Li et al. 2021 tune λ over {0.05, 0.1, 0.2, 0.5, 1, 2}; "
             "λ = 1 in the authors' run scripts `run_*_ditto_lam1.sh`, as FL-bench's default; search: that "

@@ -105,6 +105,7 @@ class FineTuneParams(HyperParams):
         low=1,
         high=10,
         integer=True,
+        protocols=("personalized",),  # fine-tuning makes the personal model only; the global one is FedAvg's
         ge=0,
         description="τ_f, local fine-tuning epochs before evaluation (source: FedBABU's τ_f; its code's "
         "--ft_ep default 5, applied to FedAvg and FedBABU alike; search: fedskew, [1, 10])",
@@ -114,6 +115,7 @@ class FineTuneParams(HyperParams):
         low=1e-3,
         high=0.5,
         log=True,
+        protocols=("personalized",),
         gt=0.0,
         description="fine-tuning learning rate (None: the rate the client trains with this round, "
         "client.lr x lr_decay^(t-1); search: client.lr's range)",

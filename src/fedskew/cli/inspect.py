@@ -134,7 +134,10 @@ def _list_params(name: str, kind: str | None, plain: bool, as_json: bool) -> Non
 
 
 def _space_text(space: Any) -> str:
-    return "—" if space is None else str(space.text())
+    if space is None:
+        return "—"
+    only = "" if space.protocols is None else f" ({', '.join(space.protocols)} only)"
+    return f"{space.text()}{only}"
 
 
 def _report_paths(dirs: list[Path], out: Path | None, plot: Path | None) -> Path:

@@ -135,12 +135,13 @@ def check_spec(spec: TuneSpec) -> TunePlan:
     each method's config at its defaults (validation split included)."""
     _check_basics(spec)
     fixed = [".".join(parse_assignment(s)[0]) for s in spec.sets]
-    knobs = select_knobs(spec.methods, spec.knobs, fixed)
-    check_sampler(spec.sampler, knobs, spec.trials)
     has_tuning = "tuning" in (read_marked(spec.config).data or {})
-    plan = TunePlan(spec, knobs, {}, has_tuning)
+    plan = TunePlan(spec, {}, {}, has_tuning)
     for method in spec.methods:
         plan.base[method] = _base_config(spec, method, plan.sets(method, {}))
+    protocols = {m: str(plan.base[m]["eval"]["protocol"]) for m in spec.methods}
+    plan.knobs = select_knobs(spec.methods, spec.knobs, fixed, protocols)
+    check_sampler(spec.sampler, plan.knobs, spec.trials)
     return plan
 
 

@@ -11,7 +11,7 @@ study's history, never on how often the process was restarted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -33,24 +33,35 @@ def declared_knobs(method: str) -> Knobs:
     return {**client, **{f"algorithm.{k}": s for k, s in search_spaces(params).items()}}
 
 
-def select_knobs(methods: Sequence[str], wanted: Sequence[str], fixed: Sequence[str]) -> dict[str, Knobs]:
-    """Per method, the knobs tuned: all it declares, or those of ``wanted`` (``--knobs``) it declares. A
-    wanted knob no method declares, a method left with none, and a ``--set`` of a tuned knob (``fixed``: the
-    keys ``--set`` writes) are refused in one line."""
+def select_knobs(
+    methods: Sequence[str], wanted: Sequence[str], fixed: Sequence[str], protocols: Mapping[str, str]
+) -> dict[str, Knobs]:
+    """Per method, the knobs tuned: all it declares that act under its ``eval.protocol`` (``protocols``),
+    or those of ``wanted`` (``--knobs``). A wanted knob no method declares, or one inert under every
+    method's protocol, a method left with none, and a ``--set`` of a tuned knob (``fixed``: the keys
+    ``--set`` writes) are refused in one line."""
     declared = {m: declared_knobs(m) for m in methods}
     known = sorted({k for d in declared.values() for k in d})
+    acting = {m: {k: s for k, s in d.items() if s.acts_under(protocols[m])} for m, d in declared.items()}
     for key in wanted:
         if key not in known:
             raise ConfigError(
                 f"--knobs '{key}': no method of --methods declares it a tunable knob; declared: "
                 f"{', '.join(known)} (fedskew list --params NAME)"
             )
-    chosen = {m: {k: s for k, s in d.items() if not wanted or k in wanted} for m, d in declared.items()}
+        if not any(key in d for d in acting.values()):
+            only = next(d[key].protocols for d in declared.values() if key in d)
+            raise ConfigError(
+                f"--knobs '{key}': it acts only under eval.protocol {' or '.join(only or ())}, and this "
+                f"study evaluates {' and '.join(sorted(set(protocols.values())))}; allowed: drop it, or set "
+                "eval.protocol"
+            )
+    chosen = {m: {k: s for k, s in d.items() if not wanted or k in wanted} for m, d in acting.items()}
     for method, knobs in chosen.items():
         if not knobs:
             raise ConfigError(
                 f"--knobs {','.join(wanted)}: {method} declares none of them, so its trials would all be the "
-                f"same run; allowed: add one of {', '.join(declared[method])}"
+                f"same run; allowed: add one of {', '.join(acting[method])}"
             )
         clash = next((k for k in fixed if k in knobs), None)
         if clash is not None:
