@@ -1,16 +1,17 @@
 """Tables of a comparison run under the issue-52 protocol: ``fedskew tune``, then ``fedskew sweep`` of the
 chosen configs on reporting seeds disjoint from the tuning seeds.
 
-    python docs/reproduction/tuned_tables.py TUNE_DIR REPORT_DIR [BASELINE ...]
+    python docs/reproduction/tuned_tables.py TUNE_DIR[,TUNE_DIR...] REPORT_DIR [BASELINE ...]
 
-``TUNE_DIR``: the ``--out`` of ``fedskew tune`` (its ``budget.json``); ``REPORT_DIR``: the ``--out`` of the
-sweep over ``TUNE_DIR/chosen/*.yaml`` with ``--name '{algorithm.name}'``. Per method: the tuned values
-(``*``: at an end of its search range, within 2% of its width on the sampling scale), the best trial's final
-validation accuracy on the tuning seeds, the final-round test accuracy on the reporting seeds (mean ± sample
-std), the seed-paired differences to each baseline with 95% t-intervals (``*``: excludes 0), the compute of
-one reporting run (client steps and evaluation fine-tuning steps, mean over seeds) and the tuning budget's
-compute. "collapses" flags a method whose interval against a baseline contains 0 while a tuned knob sits at
-a range's end (the issue-52 "collapses onto a baseline" flag).
+``TUNE_DIR``: the ``--out`` of ``fedskew tune`` (its ``budget.json``), or several, comma-separated, whose
+methods are listed in that order (the same trials, seeds and sampler in each: methods tuned in groups);
+``REPORT_DIR``: the ``--out`` of the sweeps over their ``chosen/*.yaml`` with ``--name '{algorithm.name}'``.
+Per method: the tuned values (``*``: at an end of its search range, within 2% of its width on the sampling
+scale), the best trial's final validation accuracy on the tuning seeds, the final-round test accuracy on the
+reporting seeds (mean ± sample std), the seed-paired differences to each baseline with 95% t-intervals (``*``:
+excludes 0), the compute of one reporting run (client steps and evaluation fine-tuning steps, mean over seeds)
+and the tuning budget's compute. "collapses" flags a method whose interval against a baseline contains 0 while
+a tuned knob sits at a range's end (the issue-52 "collapses onto a baseline" flag).
 """
 
 from __future__ import annotations
@@ -39,15 +40,27 @@ def mean_compute(group: Group, key: str) -> float:
     return float(np.mean([float((r.summary.get("compute") or {}).get(key, 0)) for r in group.runs]))
 
 
-def table(tune: Path, report: Path, baselines: list[str]) -> str:
-    budget = json.loads((tune / "budget.json").read_text())
+def tuned_methods(tunes: list[Path]) -> dict[str, dict]:
+    """Every method's ``budget.json`` entry over the tune folders; they must share trials, seeds, sampler."""
+    out: dict[str, dict] = {}
+    studies = set()
+    for tune in tunes:
+        spec = json.loads((tune / "tune.json").read_text())
+        studies.add(json.dumps([spec["trials"], spec["seeds"], spec["sampler"], spec["sampler_seed"]]))
+        out.update(json.loads((tune / "budget.json").read_text())["methods"])
+    if len(studies) > 1:
+        raise SystemExit(f"the tune folders differ in trials, seeds or sampler: {sorted(studies)}")
+    return out
+
+
+def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
     groups = {run.path.parent.name: None for run in find_runs([report])}
     by_method = {m: Group(m, find_runs([report / m])) for m in groups}
     head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
     head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
     head += ["client steps / run", "eval fine-tune steps / run", "tuning steps", "collapses"]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for m, info in budget["methods"].items():
+    for m, info in tuned_methods(tunes).items():
         if m not in by_method:
             continue
         g, best = by_method[m], info["best"]
@@ -81,4 +94,5 @@ def table(tune: Path, report: Path, baselines: list[str]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
-    print(table(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] or ["fedavg", "local"]))
+    tunes = [Path(t) for t in sys.argv[1].split(",")]
+    print(table(tunes, Path(sys.argv[2]), sys.argv[3:] or ["fedavg", "local"]))
