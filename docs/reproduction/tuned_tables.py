@@ -9,9 +9,10 @@ methods are listed in that order (the same trials, seeds and sampler in each: me
 Per method: the tuned values (``*``: at an end of its search range, within 2% of its width on the sampling
 scale), the best trial's final validation accuracy on the tuning seeds, the final-round test accuracy on the
 reporting seeds (mean ± sample std), the seed-paired differences to each baseline with 95% t-intervals (``*``:
-excludes 0), the compute of one reporting run (client steps and evaluation fine-tuning steps, mean over seeds)
-and the tuning budget's compute. "collapses" flags a method whose interval against a baseline contains 0 while
-a tuned knob sits at a range's end (the issue-52 "collapses onto a baseline" flag).
+excludes 0), the spread of the clients' accuracies and the worst 10% of clients' (the fairness Ditto claims),
+the compute of one reporting run (client steps and evaluation fine-tuning steps, mean over seeds) and the
+tuning budget's compute. "collapses" flags a method whose interval against a baseline contains 0 while a tuned
+knob sits at a range's end (the issue-52 "collapses onto a baseline" flag).
 """
 
 from __future__ import annotations
@@ -53,12 +54,26 @@ def tuned_methods(tunes: list[Path]) -> dict[str, dict]:
     return out
 
 
+def mean_final(group: Group, key: str) -> float:
+    """``summary["final"][key]`` averaged over the group's seeds."""
+    return float(np.mean([float(r.summary["final"][key]) for r in group.runs]))
+
+
+def fairness_text(group: Group) -> str:
+    """The fairness Ditto claims ("the uniformity of performance across devices", its abstract) as the std of
+    the clients' test accuracies, and the mean of the worst 10% of clients (``accuracy_worst10``); each the
+    mean over seeds of the final round's value."""
+    spread, worst = (100 * mean_final(group, k) for k in ("accuracy_std", "accuracy_worst10"))
+    return f"{spread:.2f} / {worst:.2f}"
+
+
 def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
     groups = {run.path.parent.name: None for run in find_runs([report])}
     by_method = {m: Group(m, find_runs([report / m])) for m in groups}
     head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
     head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
-    head += ["client steps / run", "eval fine-tune steps / run", "tuning steps", "collapses"]
+    head += ["client σ / worst 10% (pp / %)", "client steps / run", "eval fine-tune steps / run"]
+    head += ["tuning steps", "collapses"]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for m, info in tuned_methods(tunes).items():
         if m not in by_method:
@@ -82,6 +97,7 @@ def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
                 collapse.append(b)
         steps = (info.get("compute") or {}).get("total_steps")
         cells += [
+            fairness_text(g),
             f"{mean_compute(g, 'client_steps'):,.0f}",
             f"{mean_compute(g, 'eval_finetune_steps'):,.0f}",
             "—" if steps is None else f"{steps:,.0f}",
