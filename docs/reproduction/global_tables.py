@@ -76,9 +76,9 @@ def cell(group: Group, key: str = "accuracy") -> str:
     return f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}" if len(vals) > 1 else f"{vals.mean():.2f}"
 
 
-def paired(group: Group, baseline: Group) -> Paired:
-    """``group`` − ``baseline`` on the seeds both ran (final-round accuracy), seed by seed."""
-    base, vals = values_by_seed(baseline), values_by_seed(group)
+def paired(group: Group, baseline: Group, key: str = "accuracy") -> Paired:
+    """``group`` − ``baseline`` on the seeds both ran (final-round ``key``), seed by seed."""
+    base, vals = values_by_seed(baseline, key), values_by_seed(group, key)
     seeds = sorted(base.keys() & vals.keys())
     return Paired(group, {s: vals[s] - base[s] for s in seeds}, 0)
 

@@ -63,6 +63,8 @@ def fairness_text(group: Group) -> str:
     """The fairness Ditto claims ("the uniformity of performance across devices", its abstract) as the std of
     the clients' test accuracies, and the mean of the worst 10% of clients (``accuracy_worst10``); each the
     mean over seeds of the final round's value."""
+    if any("accuracy_worst10" not in r.summary["final"] for r in group.runs):
+        return "—"  # the global protocol scores one test set, not each client's
     spread, worst = (100 * mean_final(group, k) for k in ("accuracy_std", "accuracy_worst10"))
     return f"{spread:.2f} / {worst:.2f}"
 
