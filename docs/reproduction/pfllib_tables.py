@@ -39,30 +39,44 @@ PARTS = {"pat": 0, "dir0.1": 1}
 
 
 def cell(values: list[float]) -> str:
+    """Mean ± sample std in %, or the one value of a single seed."""
     a = 100 * np.array(values, dtype=float)
-    return f"{a.mean():.2f} ± {a.std(ddof=1) if a.size > 1 else 0.0:.2f}"
+    return f"{a.mean():.2f} ± {a.std(ddof=1):.2f}" if a.size > 1 else f"{a.mean():.2f}"
 
 
 def best(run: RunResult) -> float:
     return max(float(r[KEY]) for r in run.metrics if r.get(KEY) is not None)
 
 
+def seconds_per_round(runs: list[RunResult]) -> float:
+    """Wall seconds per round (training and evaluation), mean over the runs' rounds."""
+    return float(np.mean([float(r["seconds"]) for run in runs for r in run.metrics if "seconds" in r]))
+
+
+def side(runs: list[RunResult]) -> list[str]:
+    """fedskew's cells of one partition: final, best round, rounds × seeds, seconds per round."""
+    if not runs:
+        return ["not run", "", "", ""]
+    final = [float(r.summary["final"][KEY]) for r in runs]
+    rounds = ",".join(map(str, sorted({int(r.summary["rounds"]) for r in runs})))
+    cells = [cell(final), cell([best(r) for r in runs]), f"{rounds} × {len(runs)}"]
+    return [*cells, f"{seconds_per_round(runs):.0f}"]
+
+
 def main(root: str) -> None:
+    """The page's table: per method and partition, PFLlib's number, fedskew's final and best round, the round
+    budget and seeds, and the wall seconds per round (one run per core of the 2-core machine)."""
     groups = runs_by_folder(root)
-    head = "| method | partition | rounds | seeds | fedskew final | fedskew best | PFLlib (best of 2,000) |"
-    print(head)
-    print("|---|---|---|---|---|---|---|")
+    head = ["method"]
+    for part in PARTS:
+        head += [f"PFLlib {part}", f"fedskew {part} final", f"fedskew {part} best", "R × seeds", "s / round"]
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
     for method, published in PFLLIB.items():
+        cells = [method]
         for part, col in PARTS.items():
-            runs = groups.get(f"{part}-{method}", [])
-            if not runs:
-                continue
-            final = [float(r.summary["final"][KEY]) for r in runs]
-            rounds = {int(r.summary["rounds"]) for r in runs}
-            print(
-                f"| {method} | {part} | {','.join(map(str, sorted(rounds)))} | {len(runs)} | {cell(final)} | "
-                f"{cell([best(r) for r in runs])} | {published[col]} |"
-            )
+            cells += [published[col], *side(groups.get(f"{part}-{method}", []))]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
