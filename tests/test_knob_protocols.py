@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 
 from fedskew.algorithms import ALGORITHMS
 from fedskew.experiment.config import build_config
@@ -109,11 +108,10 @@ def test_list_params_marks_a_personalized_only_knob(monkeypatch, capsys):
 
 # ---------------------------------------------------------------------------- fedskew tune
 def write_base(folder: Any, protocol: str) -> Any:
-    cfg = digits_config(rounds=1, eval={"protocol": protocol, "every": 1})
-    cfg["data"] = {**cfg["data"], "val_fraction": 0.2}
-    path = folder / "base.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    """test_tune's digits base config (a validation split) under ``eval.protocol`` = ``protocol``."""
+    from tests.test_tune import write_base as tune_base
+
+    return tune_base(folder, rounds=1, eval={"protocol": protocol, "every": 1})
 
 
 LR_MU = ["client.lr", "algorithm.mu"]

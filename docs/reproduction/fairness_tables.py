@@ -17,14 +17,13 @@ from pathlib import Path
 
 from global_tables import cell, paired, paired_text
 
-from fedskew.experiment.report import Group, find_runs
+from fedskew.experiment.report import Group, runs_by_folder
 
 KEYS = {"accuracy": "client mean", "accuracy_std": "client std", "accuracy_worst10": "worst 10%"}
 
 
 def table(root: Path, baseline: str) -> str:
-    names = sorted({run.path.parent.name for run in find_runs([root])})
-    groups = {n: Group(n, find_runs([root / n])) for n in names}
+    groups = {n: Group(n, runs) for n, runs in sorted(runs_by_folder(root).items())}
     head = ["method", *(f"{v} (%)" for v in KEYS.values())]
     head += [f"{v} − {baseline} (pp)" for v in KEYS.values()]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from global_tables import paired, paired_text
+from global_tables import mean_of, paired, paired_text
 
-from fedskew.experiment.report import Group, find_runs, values_by_seed
+from fedskew.experiment.report import Group, runs_by_folder, values_by_seed
 
 
 def _value(v: object) -> str:
@@ -54,24 +54,18 @@ def tuned_methods(tunes: list[Path]) -> dict[str, dict]:
     return out
 
 
-def mean_final(group: Group, key: str) -> float:
-    """``summary["final"][key]`` averaged over the group's seeds."""
-    return float(np.mean([float(r.summary["final"][key]) for r in group.runs]))
-
-
 def fairness_text(group: Group) -> str:
     """The fairness Ditto claims ("the uniformity of performance across devices", its abstract) as the std of
     the clients' test accuracies, and the mean of the worst 10% of clients (``accuracy_worst10``); each the
     mean over seeds of the final round's value."""
     if any("accuracy_worst10" not in r.summary["final"] for r in group.runs):
         return "—"  # the global protocol scores one test set, not each client's
-    spread, worst = (100 * mean_final(group, k) for k in ("accuracy_std", "accuracy_worst10"))
+    spread, worst = (100 * mean_of(group, k) for k in ("accuracy_std", "accuracy_worst10"))
     return f"{spread:.2f} / {worst:.2f}"
 
 
 def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
-    groups = {run.path.parent.name: None for run in find_runs([report])}
-    by_method = {m: Group(m, find_runs([report / m])) for m in groups}
+    by_method = {m: Group(m, runs) for m, runs in runs_by_folder(report).items()}
     head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
     head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
     head += ["client σ / worst 10% (pp / %)", "client steps / run", "eval fine-tune steps / run"]
