@@ -152,6 +152,20 @@ def test_first_ala_runs_until_the_recent_losses_settle():
     assert learn_ala_weights(TinyLinearModel(), frozen, local, glob, ones, (x, y), capped, 1, True)[2] == 7
 
 
+def test_first_ala_stops_at_a_non_finite_loss():
+    """A diverged local model gives a NaN loss, whose std never falls below the threshold (NaN < t is false):
+    the first ALA stops after that epoch instead of running max_start_epochs of NaN epochs."""
+    local, glob, x, y = ala_case()
+    ones = {n: torch.ones_like(v) for n, v in local.items()}
+    frozen = {"body.weight": torch.eye(2)}
+    broken = {n: torch.full_like(v, float("nan")) for n, v in local.items()}
+    never = FedALA.Params(threshold=1e9, num_pre_loss=3, max_start_epochs=50)
+    assert learn_ala_weights(TinyLinearModel(), frozen, broken, glob, ones, (x, y), never, 1, True)[2] == 1
+    huge = {n: torch.full_like(v, 1e38) for n, v in glob.items()}  # inf loss, not NaN
+    assert learn_ala_weights(TinyLinearModel(), frozen, local, huge, ones, (x, y), never, 1, True)[2] == 1
+    assert learn_ala_weights(TinyLinearModel(), frozen, local, glob, ones, (x, y), never, 1, True)[2] == 4
+
+
 def test_fedala_client_round():
     ctx = tiny_context()  # batch size 4
     alg = FedALA(FedALA.Params(rand_percent=100.0), ctx)

@@ -32,6 +32,7 @@ LocalPlan.start_weights").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -102,7 +103,10 @@ def learn_ala_weights(
         losses.append(float(loss.detach()))
         recent = torch.tensor(losses[-p.num_pre_loss :])
         converged = len(losses) > p.num_pre_loss and float(recent.std(unbiased=False)) < p.threshold
-        if not start or converged or len(losses) >= p.max_start_epochs:
+        # a NaN loss never passes the std test (NaN < threshold is false): without this stop the first ALA
+        # would run all max_start_epochs for a client whose update the engine then rejects anyway
+        diverged = not math.isfinite(losses[-1])
+        if not start or converged or diverged or len(losses) >= p.max_start_epochs:
             break
     return w, {n: v.detach() for n, v in hat.items()}, len(losses)
 
