@@ -10,9 +10,10 @@ Per method: the tuned values (``*``: at an end of its search range, within 2% of
 scale), the best trial's final validation accuracy on the tuning seeds, the final-round test accuracy on the
 reporting seeds (mean ± sample std), the seed-paired differences to each baseline with 95% t-intervals (``*``:
 excludes 0), the spread of the clients' accuracies and the worst 10% of clients' (the fairness Ditto claims),
-the compute of one reporting run (client steps and evaluation fine-tuning steps, mean over seeds) and the
-tuning budget's compute. "collapses" flags a method whose interval against a baseline contains 0 while a tuned
-knob sits at a range's end (the issue-52 "collapses onto a baseline" flag).
+the compute of one reporting run (client steps, evaluation fine-tuning steps, and all steps: those two and a
+method's declared extra work, such as pFedMe's inner steps or Ditto's personal model; mean over seeds) and
+the tuning budget's compute. "collapses" flags a method whose interval against a baseline contains 0 while a
+tuned knob sits at a range's end (the issue-52 "collapses onto a baseline" flag).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
     head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
     head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
     head += ["client σ / worst 10% (pp / %)", "client steps / run", "eval fine-tune steps / run"]
+    head += ["all steps / run"]
     head += ["tuning steps", "collapses"]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for m, info in tuned_methods(tunes).items():
@@ -96,6 +98,7 @@ def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
             fairness_text(g),
             f"{mean_compute(g, 'client_steps'):,.0f}",
             f"{mean_compute(g, 'eval_finetune_steps'):,.0f}",
+            f"{mean_compute(g, 'total_steps'):,.0f}",
             "—" if steps is None else f"{steps:,.0f}",
             ", ".join(f"onto {b}" for b in collapse) or "no",
         ]
