@@ -70,8 +70,7 @@ def table(tunes: list[Path], report: Path, baselines: list[str]) -> str:
     head = ["method", "trials", "tuned values", "val acc. (tuning, %)", "test acc. (%)"]
     head += [f"− {b} (pp, 95% CI)" for b in baselines if b in by_method]
     head += ["client σ / worst 10% (pp / %)", "client steps / run", "eval fine-tune steps / run"]
-    head += ["all steps / run"]
-    head += ["tuning steps", "collapses"]
+    head += ["all steps / run", "tuning steps", "collapses"]
     rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for m, info in tuned_methods(tunes).items():
         if m not in by_method:
